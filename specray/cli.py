@@ -1,0 +1,140 @@
+"""``specray`` command line: generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _draft_arg(value: str) -> str | None:
+    return None if value.lower() in {"none", "off", ""} else value
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="default", help="'default', a model dir or .gguf")
+    parser.add_argument(
+        "--draft",
+        type=_draft_arg,
+        default="default",
+        help="'none', 'ngram', 'default' (= self:bf16), 'self:fp32', or a model dir / .gguf",
+    )
+    parser.add_argument("--k", type=int, default=4, help="speculative tokens per round")
+    parser.add_argument(
+        "--draft-probs-encoding", default="fp32", help="fp32 | fp16 | bf16 | top<M> (exact)"
+    )
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specray", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate text for one prompt")
+    generate.add_argument("--prompt", required=True)
+    _add_model_args(generate)
+    generate.add_argument("--temperature", type=float, default=1.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--min-p", type=float, default=0.0)
+    generate.add_argument("--repetition-penalty", type=float, default=1.0)
+    generate.add_argument("--presence-penalty", type=float, default=0.0)
+    generate.add_argument("--frequency-penalty", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--no-chat-template", action="store_true")
+    generate.add_argument("--json", action="store_true", help="print one JSON object")
+
+    bench = commands.add_parser("bench", help="side-by-side speed and acceptance benchmark")
+    bench.add_argument("--target", default="default")
+    bench.add_argument("--k", type=int, default=4)
+    bench.add_argument("--max-tokens", type=int, default=64)
+    bench.add_argument("--num-prompts", type=int, default=24)
+    bench.add_argument("--batch-size", type=int, default=8, help="for the batched comparison")
+    bench.add_argument("--skip-transformers", action="store_true")
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per configuration")
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specray import Engine, SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
+    print(f"specray: loading target={args.target} draft={args.draft}", file=sys.stderr)
+    engine = Engine(
+        args.target,
+        draft=args.draft,
+        num_speculative_tokens=args.k,
+        draft_probs_encoding=args.draft_probs_encoding,
+    )
+    started = time.perf_counter()
+    output = engine.generate([args.prompt], params, use_chat_template=not args.no_chat_template)[0]
+    wall_s = time.perf_counter() - started
+    record = output.to_dict() | {
+        "wall_s": wall_s,
+        "tokens_per_s": len(output.token_ids) / wall_s if wall_s > 0 else 0.0,
+    }
+    record.update(record.pop("metrics"))
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(output.text)
+        print(
+            f"[{len(output.token_ids)} tokens, {record['tokens_per_s']:.1f} tok/s, "
+            f"acceptance {output.metrics.acceptance_rate:.2f}, mean accepted length "
+            f"{output.metrics.mean_acceptance_length:.2f}, finish {output.finish_reason}, "
+            f"seed {output.seed}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from specray.bench import BenchConfig, print_report, run_bench
+
+    config = BenchConfig(
+        target=args.target,
+        k=args.k,
+        max_tokens=args.max_tokens,
+        num_prompts=args.num_prompts,
+        batch_size=args.batch_size,
+        compare_transformers=not args.skip_transformers,
+    )
+    report = run_bench(config)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    if args.plot:
+        from specray.bench import plot_report
+
+        plot_report(report, args.plot)
+        print(f"specray: plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    handlers = {"generate": _generate, "bench": _bench}
+    try:
+        return handlers[args.command](args)
+    except ValueError as error:  # invalid input: one clear line, no traceback
+        print(f"specray: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Draft-model drafting: a smaller (or cheaper) causal LM sharing the target's tokenizer.
+
+Per round and request: re-synchronise the draft's KV cache with the committed tokens (roll
+back what the target rejected, feed what it committed), then run k single-token steps for all
+requests at once. Each q goes through the request's own LogitsPipeline (history at that
+position) and the wire encoding, and the token is sampled from exactly that decoded q with the
+request's keyed DRAFT draw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from specray.drafters.base import DraftBlock, DraftRequest
+from specray.models.runner import ModelRunner
+from specray.sampling import DraftProbsEncoding, Purpose, quantize_draft_probs, sample_from_probs
+
+
+class VocabularyMismatchError(ValueError):
+    """The draft's vocabulary is not the target's; verification would compare different ids."""
+
+
+def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_size: int, draft_size: int):
+    """Refuse a draft whose vocabulary differs from the target's, with a clear error."""
+    if draft_size != target_size:
+        raise VocabularyMismatchError(
+            f"draft vocabulary has {draft_size} tokens but the target's has {target_size}: "
+            "a draft must share the target's tokenizer"
+        )
+    both = draft_tokenizer is not None and target_tokenizer is not None
+    if both and draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise VocabularyMismatchError(
+            "draft tokenizer maps tokens to different ids than the target's: "
+            "a draft must share the target's tokenizer"
+        )
+
+
+def _common_prefix(left: Sequence[int], right: Sequence[int]) -> int:
+    size = min(len(left), len(right))
+    for index in range(size):
+        if left[index] != right[index]:
+            return index
+    return size
+
+
+class ModelDrafter:
+    def __init__(self, runner: ModelRunner, encoding: DraftProbsEncoding):
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self.encoding = encoding
+        self._cached: dict[Hashable, list[int]] = {}  # tokens in the draft KV cache, per request
+
+    def _sync(self, request: DraftRequest) -> list[int]:
+        """Roll the cache back to the committed tokens; return the committed tokens to feed."""
+        committed = request.token_ids
+        cached = self._cached.setdefault(request.request_id, [])
+        keep = min(_common_prefix(cached, committed), len(committed) - 1)  # feed >= 1 token
+        if request.request_id in self.runner:
+            self.runner.rollback(request.request_id, len(cached) - keep)
+        del cached[keep:]
+        return committed[keep:]
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftBlock]:
+        feeds = {request.request_id: self._sync(request) for request in requests}
+        proposals: dict[Hashable, list[int]] = {request.request_id: [] for request in requests}
+        probs: dict[Hashable, list[torch.Tensor]] = {request.request_id: [] for request in requests}
+        for step in range(max(request.num_tokens for request in requests)):
+            if step > 0:  # feed the token drafted at the previous step
+                feeds = {
+                    request.request_id: proposals[request.request_id][-1:]
+                    for request in requests
+                    if request.num_tokens > step
+                }
+            logits = self.runner.forward(feeds, {request_id: 1 for request_id in feeds})
+            for request in requests:
+                request_id = request.request_id
+                if request_id not in logits:
+                    continue
+                self._cached[request_id].extend(feeds[request_id])
+                draft_probs = request.pipeline.probs(
+                    logits[request_id], request.output_token_ids, proposals[request_id]
+                )  # [1, vocab]
+                draft_probs = quantize_draft_probs(draft_probs, self.encoding)
+                position = len(request.output_token_ids) + step
+                uniform = request.random.uniforms([position], Purpose.DRAFT)
+                proposals[request_id].append(int(sample_from_probs(draft_probs, uniform)))
+                probs[request_id].append(draft_probs[0])
+        return [
+            DraftBlock(proposals[request.request_id], torch.stack(probs[request.request_id]))
+            for request in requests
+        ]
+
+    def release(self, request_ids: Sequence[Hashable]) -> None:
+        self.runner.remove(request_ids)
+        for request_id in request_ids:
+            self._cached.pop(request_id, None)

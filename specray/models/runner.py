@@ -1,0 +1,208 @@
+"""Batched forward for many sequences, each with its own logical KV cache.
+
+All sequences share one batched ``DynamicCache`` whose columns are *physical slots*. Each row
+has a validity mask over the slots: a rollback (rejected draft suffix) simply marks the row's
+last slots invalid, so no prefix is recomputed and rows of different lengths coexist. Holes are
+hidden by the attention mask; positions (RoPE) come from each row's logical length. When holes
+waste too many slots the cache is compacted (one gather per layer), and trailing slots that no
+row uses are cropped.
+
+Example: rows A (5 tokens) and B (3 tokens) after a right-padded prefill:
+    slots  0 1 2 3 4
+    A      1 1 1 1 1
+    B      1 1 1 0 0      <- B's padding, masked
+Feeding A 1 token and B 2 tokens appends 2 slots; A's second new slot is padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+from transformers import DynamicCache
+
+# Model families whose logits are exactly ``lm_head(hidden)``: for them the runner keeps a
+# pre-transposed copy of the head (about 2x faster on CPU for one row) and computes logits only
+# for the rows it needs. Others go through the model's own forward with ``logits_to_keep``.
+_PLAIN_HEAD_TYPES = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
+COMPACT_MIN_WASTED_SLOTS = 32  # compact when this many slots are wasted in the widest row ...
+COMPACT_MIN_WASTED_FRACTION = 0.25  # ... and they are at least this share of all slots
+
+
+class ModelRunner:
+    """Owns a model and the KV caches of the sequences it serves."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model.eval()
+        config = model.config
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()
+        plain_head = config.model_type in _PLAIN_HEAD_TYPES and getattr(head, "bias", None) is None
+        self._decoder = model.get_decoder() if plain_head else None
+        self._head_t = head.weight.detach().t().contiguous() if plain_head else None  # [H, V]
+        self.cache: DynamicCache | None = None
+        self.seq_ids: list[Hashable] = []  # row order of the cache
+        self.lengths: list[int] = []  # logical tokens cached per row
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [rows, slots]
+
+    # ---- bookkeeping -------------------------------------------------------------------
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self.seq_ids
+
+    def length(self, seq_id: Hashable) -> int:
+        return self.lengths[self.seq_ids.index(seq_id)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.valid.shape[1]
+
+    def _layers(self):
+        return self.cache.layers if self.cache is not None else []
+
+    @torch.inference_mode()
+    def remove(self, seq_ids: Sequence[Hashable]) -> None:
+        """Free the cache rows of finished or cancelled sequences."""
+        drop = set(seq_ids) & set(self.seq_ids)
+        if not drop:
+            return
+        keep = [row for row, seq_id in enumerate(self.seq_ids) if seq_id not in drop]
+        self.seq_ids = [self.seq_ids[row] for row in keep]
+        self.lengths = [self.lengths[row] for row in keep]
+        if not keep:
+            self.cache, self.valid = None, torch.zeros(0, 0, dtype=torch.bool)
+            return
+        index = torch.tensor(keep)
+        for layer in self._layers():
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+        self.valid = self.valid.index_select(0, index)
+        self._shrink()
+
+    @torch.inference_mode()
+    def rollback(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` cached tokens of a sequence (a rejected suffix)."""
+        if num_tokens <= 0:
+            return
+        row = self.seq_ids.index(seq_id)
+        if num_tokens > self.lengths[row]:
+            raise ValueError(
+                f"cannot roll back {num_tokens} tokens of a {self.lengths[row]}-token sequence"
+            )
+        slots = self.valid[row].nonzero().squeeze(-1)  # [length]
+        self.valid[row, slots[-num_tokens:]] = False
+        self.lengths[row] -= num_tokens
+
+    @torch.inference_mode()
+    def _shrink(self) -> None:
+        """Crop slots no row uses at the end; compact when holes waste too much."""
+        used = self.valid.any(dim=0).nonzero()
+        width = int(used[-1]) + 1 if len(used) else 0
+        if width < self.num_slots:
+            self.valid = self.valid[:, :width]
+            for layer in self._layers():
+                layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+        longest = max(self.lengths, default=0)
+        wasted = self.num_slots - longest
+        if wasted >= COMPACT_MIN_WASTED_SLOTS and wasted >= COMPACT_MIN_WASTED_FRACTION * (
+            self.num_slots
+        ):
+            self._compact(longest)
+
+    def _compact(self, width: int) -> None:
+        """Gather each row's valid slots to the right end of a ``width``-slot cache."""
+        rows = len(self.seq_ids)
+        index = torch.zeros(rows, width, dtype=torch.int64)  # [rows, width]
+        valid = torch.zeros(rows, width, dtype=torch.bool)
+        for row in range(rows):
+            slots = self.valid[row].nonzero().squeeze(-1)
+            index[row, width - len(slots) :] = slots
+            valid[row, width - len(slots) :] = True
+        for layer in self._layers():
+            heads, dim = layer.keys.shape[1], layer.keys.shape[3]
+            gather = index[:, None, :, None].expand(rows, heads, width, dim)
+            layer.keys = layer.keys.gather(2, gather)
+            layer.values = layer.values.gather(2, gather)
+        self.valid = valid
+
+    # ---- forward -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        new_token_ids: Mapping[Hashable, Sequence[int]],
+        num_logits: Mapping[Hashable, int],
+    ) -> dict[Hashable, torch.Tensor]:
+        """Append tokens to sequences and return logits for the last ones.
+
+        new_token_ids: seq_id -> tokens to append (unknown ids start new sequences).
+        num_logits: seq_id -> how many trailing new positions need logits (1..len).
+        Returns seq_id -> float32 logits ``[num_logits, vocab]``.
+        """
+        fresh = [seq_id for seq_id in new_token_ids if seq_id not in self.seq_ids]
+        if fresh:
+            self._append_rows(fresh)
+        if not self.seq_ids:
+            return {}
+        rows = len(self.seq_ids)
+        counts = [len(new_token_ids.get(seq_id, ())) for seq_id in self.seq_ids]
+        width = max(counts)
+        if width == 0:
+            return {}
+        input_ids = torch.zeros(rows, width, dtype=torch.int64)  # [rows, width], 0 = padding
+        positions = torch.zeros(rows, width, dtype=torch.int64)  # [rows, width]
+        new_valid = torch.zeros(rows, width, dtype=torch.bool)  # [rows, width]
+        for row, seq_id in enumerate(self.seq_ids):
+            tokens = new_token_ids.get(seq_id, ())
+            if tokens:
+                input_ids[row, : len(tokens)] = torch.as_tensor(list(tokens))
+                new_valid[row, : len(tokens)] = True
+            positions[row] = torch.arange(self.lengths[row], self.lengths[row] + width)
+        valid = torch.cat([self.valid, new_valid], dim=1)  # [rows, slots + width]
+        attention_mask = None if bool(valid.all()) else valid.to(torch.int64)
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.model.config)
+        hidden_or_logits = self._run(input_ids, positions, attention_mask, width, num_logits)
+        self.valid = valid
+        out: dict[Hashable, torch.Tensor] = {}
+        for row, seq_id in enumerate(self.seq_ids):
+            self.lengths[row] += counts[row]
+            if seq_id not in num_logits:
+                continue
+            wanted = num_logits[seq_id]
+            if not 1 <= wanted <= counts[row]:
+                raise ValueError(f"num_logits for {seq_id!r} must be in [1, {counts[row]}]")
+            out[seq_id] = self._logits(hidden_or_logits, row, counts[row] - wanted, counts[row])
+        return out
+
+    def _run(self, input_ids, positions, attention_mask, width, num_logits):
+        if self._decoder is not None:
+            return self._decoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=positions,
+                cache=self.cache,
+                use_cache=True,
+            ).last_hidden_state  # [rows, width, hidden]
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+        ).logits  # [rows, width, vocab]
+
+    def _logits(self, hidden_or_logits: torch.Tensor, row: int, start: int, stop: int):
+        rows = hidden_or_logits[row, start:stop]  # [n, hidden] or [n, vocab]
+        if self._head_t is not None:
+            rows = rows @ self._head_t  # [n, vocab]
+        return rows.float()
+
+    def _append_rows(self, seq_ids: Sequence[Hashable]) -> None:
+        """Register new, empty sequences: add cache rows whose slots are all invalid."""
+        added = len(seq_ids)
+        self.seq_ids.extend(seq_ids)
+        self.lengths.extend([0] * added)
+        self.valid = torch.cat([self.valid, torch.zeros(added, self.num_slots, dtype=torch.bool)])
+        for layer in self._layers():
+            pad = layer.keys.new_zeros((added, *layer.keys.shape[1:]))
+            layer.keys = torch.cat([layer.keys, pad])
+            layer.values = torch.cat([layer.values, pad.clone()])

@@ -1,0 +1,76 @@
+"""What generation returns: vLLM-shaped outputs with per-request speculative metrics."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SpecDecodeMetrics:
+    """Per-request counters, named as vLLM's speculative-decoding metrics."""
+
+    num_drafts: int = 0  # rounds that verified at least one draft token
+    num_draft_tokens: int = 0  # draft tokens proposed and verified
+    num_accepted_tokens: int = 0  # draft tokens accepted
+    accepted_per_position: list[int] = field(default_factory=list)  # [k] accepted at position j
+    num_target_steps: int = 0  # target forwards (verifications and target-only steps)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 when nothing was drafted)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per verification round that had drafts: 1 + accepted / drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_target_steps += 1
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            missing = num_draft_tokens - len(self.accepted_per_position)
+            self.accepted_per_position.extend([0] * missing)
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    def merge(self, other: SpecDecodeMetrics) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_target_steps += other.num_target_steps
+        size = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        mine = self.accepted_per_position + [0] * (size - len(self.accepted_per_position))
+        theirs = other.accepted_per_position + [0] * (size - len(other.accepted_per_position))
+        self.accepted_per_position = [a + b for a, b in zip(mine, theirs, strict=True)]
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["acceptance_rate"] = self.acceptance_rate
+        out["mean_acceptance_length"] = self.mean_acceptance_length
+        return out
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens, a stop token included when one ended the request
+    text: str  # decoded generated text (special tokens skipped); "" without a tokenizer
+    finish_reason: str  # "stop" (end-of-sequence or stop token) | "length" (max_tokens)
+    seed: int  # the seed the request ran with (chosen by the engine when none was given)
+    metrics: SpecDecodeMetrics
+
+    def to_dict(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "seed": self.seed,
+            "metrics": self.metrics.to_dict(),
+        }

@@ -1,0 +1,131 @@
+"""Exact wire encodings of a draft distribution q (DESIGN.md 1.2 and 3).
+
+A compressed q is a *different proposal*, not an approximation: the draft samples from
+``decode(encode(q))`` and the target verifies against the same decoded q, so exactness holds
+for every encoding. :func:`quantize_draft_probs` is that round trip, done once by the draft.
+
+Encodings (``DraftProbsEncoding.parse``):
+  - ``"fp32"``: dense float32 (lossless);
+  - ``"fp16"`` / ``"bf16"``: dense half precision (fp16 flushes p < ~6e-8 to zero, bf16 keeps
+    the range with fewer mantissa bits);
+  - ``"top<M>"`` (e.g. ``"top64"``): sparse, the M most likely ids with float32 values.
+Decoding renormalises each row in float64 so it sums to 1.
+Tensors travel as raw little-endian bytes with their dtype and shape.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_DENSE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_WIRE_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int32": torch.int32,
+}
+
+
+@dataclass(frozen=True)
+class DraftProbsEncoding:
+    name: str  # "fp32" | "fp16" | "bf16" | "top<M>"
+    top_m: int | None = None  # sparse: number of kept ids per row
+
+    @classmethod
+    def parse(cls, name: str) -> DraftProbsEncoding:
+        if name in _DENSE_DTYPES:
+            return cls(name)
+        match = re.fullmatch(r"top(\d+)", name)
+        if match and int(match.group(1)) >= 1:
+            return cls(name, int(match.group(1)))
+        raise ValueError(
+            f"draft_probs_encoding must be one of fp32, fp16, bf16 or top<M> (M >= 1), got {name!r}"
+        )
+
+    @property
+    def sparse(self) -> bool:
+        return self.top_m is not None
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    """A tensor as raw little-endian bytes with its dtype name and shape."""
+
+    data: bytes
+    dtype: str  # a key of _WIRE_DTYPES
+    shape: tuple[int, ...]
+
+    @staticmethod
+    def from_tensor(tensor: torch.Tensor) -> WireTensor:
+        name = next(key for key, value in _WIRE_DTYPES.items() if value == tensor.dtype)
+        raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()  # CPU torch is little-endian
+        return WireTensor(raw, name, tuple(tensor.shape))
+
+    def to_tensor(self) -> torch.Tensor:
+        if self.dtype not in _WIRE_DTYPES:
+            raise ValueError(f"unknown wire dtype {self.dtype!r}")
+        dtype = _WIRE_DTYPES[self.dtype]
+        count = 1
+        for size in self.shape:
+            count *= size
+        if len(self.data) != count * dtype.itemsize:
+            raise ValueError(
+                f"wire tensor of shape {self.shape} and dtype {self.dtype} needs "
+                f"{count * dtype.itemsize} bytes, got {len(self.data)}"
+            )
+        flat = torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
+        return flat.view(dtype).reshape(self.shape).clone()
+
+
+@dataclass(frozen=True)
+class EncodedDraftProbs:
+    """q for ``[k, vocab]`` as sent on the wire."""
+
+    encoding: str
+    vocab_size: int
+    values: WireTensor  # dense: [k, vocab]; sparse: [k, M] float32
+    token_ids: WireTensor | None = None  # sparse: [k, M] int32
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.values.data) + (len(self.token_ids.data) if self.token_ids else 0)
+
+
+def encode_draft_probs(
+    draft_probs: torch.Tensor, encoding: DraftProbsEncoding
+) -> EncodedDraftProbs:
+    """draft_probs: ``[k, vocab]`` -> wire form."""
+    vocab = draft_probs.shape[-1]
+    if encoding.sparse:
+        top_m = min(encoding.top_m, vocab)
+        values, token_ids = torch.topk(draft_probs.float(), top_m, dim=-1)  # [k, M] each
+        return EncodedDraftProbs(
+            encoding.name,
+            vocab,
+            WireTensor.from_tensor(values),
+            WireTensor.from_tensor(token_ids.to(torch.int32)),
+        )
+    dense = draft_probs.to(_DENSE_DTYPES[encoding.name])
+    return EncodedDraftProbs(encoding.name, vocab, WireTensor.from_tensor(dense))
+
+
+def decode_draft_probs(encoded: EncodedDraftProbs) -> torch.Tensor:
+    """Wire form -> float32 ``[k, vocab]``, each row renormalised to sum to 1."""
+    values = encoded.values.to_tensor().double()
+    if encoded.token_ids is not None:
+        token_ids = encoded.token_ids.to_tensor().long()
+        dense = torch.zeros(values.shape[0], encoded.vocab_size, dtype=torch.float64)
+        dense.scatter_(-1, token_ids, values)
+    else:
+        dense = values
+    return (dense / dense.sum(dim=-1, keepdim=True)).to(torch.float32)
+
+
+def quantize_draft_probs(draft_probs: torch.Tensor, encoding: DraftProbsEncoding) -> torch.Tensor:
+    """What the draft samples from and the target verifies against: decode(encode(q))."""
+    if encoding.name == "fp32":
+        return draft_probs.float()
+    return decode_draft_probs(encode_draft_probs(draft_probs, encoding))

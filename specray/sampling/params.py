@@ -1,0 +1,170 @@
+"""Validated, frozen sampling parameters (vLLM-shaped).
+
+Every field is checked in ``__post_init__``; errors name the parameter and the value.
+Token ids are checked against the vocabulary by :meth:`SamplingParams.check_vocab`, which the
+engine calls when a request is admitted (the vocabulary is not known at construction).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any
+
+MAX_SEED = 2**63 - 1  # seeds are non-negative 63-bit integers (fit int64 on every wire)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on |logit_bias|
+MAX_PENALTY = 2.0  # presence / frequency penalties live in [-2, 2], as in OpenAI and vLLM
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is invalid; the message names the parameter and the value."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _fail(param: str, message: str) -> None:
+    raise SamplingParamsError(param, message)
+
+
+def _check_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(name, f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        _fail(name, f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _token_tuple(name: str, value: Iterable[int] | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        _fail(name, f"{name} must be a list of token ids, got {value!r}")
+    ids = tuple(value)
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            _fail(name, f"{name} must hold non-negative integer token ids, got {token_id!r}")
+    return tuple(sorted(set(ids)))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each token. Defaults follow vLLM (temperature 1, no filters, 16 tokens)."""
+
+    temperature: float = 1.0  # 0 = greedy (argmax after bias, masks and penalties)
+    top_k: int = 0  # keep the k most likely tokens (ties at the k-th value kept); 0 = off
+    top_p: float = 1.0  # keep the smallest set with cumulative probability >= top_p
+    min_p: float = 0.0  # drop tokens below min_p * max probability; 0 = off
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of prompt and output (CTRL rule)
+    presence_penalty: float = 0.0  # subtracted once from tokens present in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added logit
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled; None = all
+    banned_token_ids: tuple[int, ...] | None = None  # never sampled
+    stop_token_ids: tuple[int, ...] | None = None  # finish after emitting one of these
+    ignore_eos: bool = False  # do not stop at the model's end-of-sequence token
+    max_tokens: int = 16  # generated tokens at most
+    seed: int | None = None  # None: the engine picks one and reports it in the output
+
+    def __post_init__(self) -> None:
+        temperature = _check_number("temperature", self.temperature)
+        if temperature < 0:
+            _fail("temperature", f"temperature must be >= 0, got {self.temperature!r}")
+        top_k = _check_int("top_k", self.top_k)
+        if top_k < 0:
+            _fail("top_k", f"top_k must be >= 0 (0 disables it), got {top_k!r}")
+        top_p = _check_number("top_p", self.top_p)
+        if not 0 < top_p <= 1:
+            _fail("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        min_p = _check_number("min_p", self.min_p)
+        if not 0 <= min_p <= 1:
+            _fail("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        repetition = _check_number("repetition_penalty", self.repetition_penalty)
+        if repetition <= 0:
+            _fail(
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_number(name, getattr(self, name))
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                _fail(name, f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not isinstance(self.logit_bias, Mapping):
+            _fail("logit_bias", f"logit_bias must be a mapping, got {self.logit_bias!r}")
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            token_id = int(key) if isinstance(key, str) and key.isdigit() else key
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                _fail("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            number = _check_number(f"logit_bias[{token_id}]", value)
+            if abs(number) > MAX_LOGIT_BIAS:
+                _fail(
+                    "logit_bias",
+                    f"logit_bias[{token_id}] must be in [-100, 100], got {value!r}",
+                )
+            bias[token_id] = number
+        object.__setattr__(self, "logit_bias", MappingProxyType(bias))
+        for name in ("allowed_token_ids", "banned_token_ids", "stop_token_ids"):
+            object.__setattr__(self, name, _token_tuple(name, getattr(self, name)))
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                _fail("allowed_token_ids", "allowed_token_ids must not be empty")
+            if set(self.allowed_token_ids) <= set(self.banned_token_ids or ()):
+                _fail(
+                    "banned_token_ids",
+                    f"banned_token_ids {list(self.banned_token_ids or ())} ban every "
+                    f"allowed token {list(self.allowed_token_ids)}",
+                )
+        if not isinstance(self.ignore_eos, bool):
+            _fail("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        max_tokens = _check_int("max_tokens", self.max_tokens)
+        if max_tokens < 1:
+            _fail("max_tokens", f"max_tokens must be >= 1, got {max_tokens!r}")
+        if self.seed is not None:
+            seed = _check_int("seed", self.seed)
+            if not 0 <= seed <= MAX_SEED:
+                _fail("seed", f"seed must be in [0, 2**63 - 1], got {seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:
+        """Build from a plain mapping (JSON, CLI); unknown keys are errors."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            _fail(unknown[0], f"unknown sampling parameter {unknown[0]!r}")
+        return cls(**values)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise SamplingParamsError if any token id is outside ``[0, vocab_size)``."""
+        groups = {
+            "logit_bias": tuple(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids or (),
+            "banned_token_ids": self.banned_token_ids or (),
+            "stop_token_ids": self.stop_token_ids or (),
+        }
+        for name, ids in groups.items():
+            for token_id in ids:
+                if token_id >= vocab_size:
+                    _fail(
+                        name,
+                        f"{name} holds token id {token_id}, outside the vocabulary "
+                        f"[0, {vocab_size})",
+                    )
+
+    def with_seed(self, seed: int) -> SamplingParams:
+        from dataclasses import replace
+
+        return replace(self, seed=seed, logit_bias=dict(self.logit_bias))
