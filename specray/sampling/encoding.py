@@ -60,7 +60,12 @@ class WireTensor:
 
     @staticmethod
     def from_tensor(tensor: torch.Tensor) -> WireTensor:
-        name = next(key for key, value in _WIRE_DTYPES.items() if value == tensor.dtype)
+        names = [key for key, value in _WIRE_DTYPES.items() if value == tensor.dtype]
+        if not names:
+            raise ValueError(
+                f"tensor dtype must be one of {sorted(_WIRE_DTYPES)}, got {tensor.dtype}"
+            )
+        name = names[0]
         raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()  # CPU torch is little-endian
         return WireTensor(raw, name, tuple(tensor.shape))
 
@@ -76,6 +81,8 @@ class WireTensor:
                 f"wire tensor of shape {self.shape} and dtype {self.dtype} needs "
                 f"{count * dtype.itemsize} bytes, got {len(self.data)}"
             )
+        if count == 0:
+            return torch.empty(self.shape, dtype=dtype)
         flat = torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
         return flat.view(dtype).reshape(self.shape).clone()
 

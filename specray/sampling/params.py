@@ -15,6 +15,7 @@ from typing import Any
 
 MAX_SEED = 2**63 - 1  # seeds are non-negative 63-bit integers (fit int64 on every wire)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on |logit_bias|
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this mean greedy (as in vLLM)
 MAX_PENALTY = 2.0  # presence / frequency penalties live in [-2, 2], as in OpenAI and vLLM
 
 
@@ -60,7 +61,7 @@ def _token_tuple(name: str, value: Iterable[int] | None) -> tuple[int, ...] | No
 class SamplingParams:
     """How to pick each token. Defaults follow vLLM (temperature 1, no filters, 16 tokens)."""
 
-    temperature: float = 1.0  # 0 = greedy (argmax after bias, masks and penalties)
+    temperature: float = 1.0  # < 1e-5 = greedy (argmax after bias, masks and penalties)
     top_k: int = 0  # keep the k most likely tokens (ties at the k-th value kept); 0 = off
     top_p: float = 1.0  # keep the smallest set with cumulative probability >= top_p
     min_p: float = 0.0  # drop tokens below min_p * max probability; 0 = off
@@ -105,7 +106,11 @@ class SamplingParams:
             token_id = int(key) if isinstance(key, str) and key.isdigit() else key
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 _fail("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
-            number = _check_number(f"logit_bias[{token_id}]", value)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                _fail("logit_bias", f"logit_bias[{token_id}] must be a number, got {value!r}")
+            if not math.isfinite(value):
+                _fail("logit_bias", f"logit_bias[{token_id}] must be finite, got {value!r}")
+            number = float(value)
             if abs(number) > MAX_LOGIT_BIAS:
                 _fail(
                     "logit_bias",
@@ -117,7 +122,7 @@ class SamplingParams:
             object.__setattr__(self, name, _token_tuple(name, getattr(self, name)))
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
-                _fail("allowed_token_ids", "allowed_token_ids must not be empty")
+                _fail("allowed_token_ids", "allowed_token_ids must not be empty, got []")
             if set(self.allowed_token_ids) <= set(self.banned_token_ids or ()):
                 _fail(
                     "banned_token_ids",
@@ -136,7 +141,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below GREEDY_TEMPERATURE, logits / temperature overflows float32: the limit is argmax.
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def __hash__(self) -> int:
+        values = [getattr(self, f.name) for f in fields(self)]
+        values[[f.name for f in fields(self)].index("logit_bias")] = tuple(self.logit_bias.items())
+        return hash(tuple(values))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:

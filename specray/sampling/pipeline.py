@@ -30,6 +30,11 @@ class LogitsPipeline:
         self, params: SamplingParams, vocab_size: int, prompt_token_ids: Sequence[int] = ()
     ):
         params.check_vocab(vocab_size)
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size})"
+            )
         self.params = params
         self.vocab_size = vocab_size
         # Static additive term: logit bias plus -inf outside the allowed set / on banned ids.

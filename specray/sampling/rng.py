@@ -43,7 +43,7 @@ def _splitmix64(z: int) -> int:
 def keyed_uniform(seed: int, position: int, purpose: Purpose) -> float:
     """One uniform draw in the open interval (0, 1), a pure function of its key."""
     bits = _splitmix64(_splitmix64(_splitmix64(seed) ^ position) ^ int(purpose))
-    return ((bits >> 11) + 0.5) * 2.0**-53  # 53 random bits, never exactly 0 or 1
+    return ((bits >> 12) + 0.5) * 2.0**-52  # in [2^-53, 1 - 2^-53]: never 0 or 1
 
 
 def random_seed() -> int:

@@ -108,6 +108,12 @@ def _check_inputs(draft_token_ids, num_draft_tokens, draft_probs, target_probs) 
         raise ValueError(f"draft_token_ids must be in [0, {vocab}), got {draft_token_ids.tolist()}")
 
 
+def _normalise(probs: torch.Tensor) -> torch.Tensor:
+    """Rows as float64 summing to 1 (all-zero padding rows stay zero)."""
+    probs = probs.double()
+    return probs / probs.sum(dim=-1, keepdim=True).clamp(min=1e-300)
+
+
 def _first_rejection(accepted: torch.Tensor, num_draft_tokens: torch.Tensor) -> torch.Tensor:
     """Index of the first False per row, capped at num_draft_tokens: ``[batch, k] -> [batch]``."""
     batch, k = accepted.shape
@@ -156,11 +162,21 @@ def verify_batch(
     """
     _check_inputs(draft_token_ids, num_draft_tokens, draft_probs, target_probs)
     batch, k = draft_token_ids.shape
+    for name, expected in (("accept", (batch, k)), ("residual", (batch, k)), ("bonus", (batch,))):
+        if tuple(getattr(uniforms, name).shape) != expected:
+            raise ValueError(
+                f"uniforms.{name} must have shape {expected}, "
+                f"got {tuple(getattr(uniforms, name).shape)}"
+            )
+    # float32 rows sum to 1 +- 1e-7; renormalise in float64 so p and q are exact distributions.
+    target_probs = _normalise(target_probs)  # [batch, k+1, vocab] float64
+    draft_probs = _normalise(draft_probs)  # [batch, k, vocab] float64
     rows = torch.arange(batch)
     valid = torch.arange(k)[None, :] < num_draft_tokens[:, None]  # [batch, k]
-    safe_ids = draft_token_ids.clamp(min=0)[..., None]  # [batch, k, 1]
-    target_at_draft = target_probs[:, :k].gather(-1, safe_ids).squeeze(-1).double()  # [batch, k]
-    draft_at_draft = draft_probs.gather(-1, safe_ids).squeeze(-1).double()  # [batch, k]
+    vocab = target_probs.shape[-1]
+    safe_ids = draft_token_ids.clamp(0, vocab - 1)[..., None]  # [batch, k, 1], padding is unused
+    target_at_draft = target_probs[:, :k].gather(-1, safe_ids).squeeze(-1)  # [batch, k]
+    draft_at_draft = draft_probs.gather(-1, safe_ids).squeeze(-1)  # [batch, k]
     if bool((draft_at_draft <= 0)[valid].any()):
         raise ValueError("draft_probs must be positive at every drafted token (q(d) > 0)")
     accept_probs = torch.clamp(target_at_draft / draft_at_draft.clamp(min=1e-300), max=1.0)
@@ -169,12 +185,12 @@ def verify_batch(
 
     # Final token: recovered from the residual where a draft was rejected, else bonus from p.
     rejected = num_accepted < num_draft_tokens  # [batch]
-    final_target = target_probs[rows, num_accepted].double()  # [batch, vocab]
+    final_target = target_probs[rows, num_accepted]  # [batch, vocab]
     final_probs = final_target.clone()
     final_uniform = uniforms.bonus.clone()  # [batch]
     if bool(rejected.any()):
         at = num_accepted.clamp(max=max(k - 1, 0))
-        residual = (final_target - draft_probs[rows, at].double()).clamp(min=0.0)  # [batch, vocab]
+        residual = (final_target - draft_probs[rows, at]).clamp(min=0.0)  # [batch, vocab]
         degenerate = residual.sum(dim=-1) <= DEGENERATE_RESIDUAL_MASS  # p == q up to rounding
         use_residual = rejected & ~degenerate
         final_probs = torch.where(use_residual[:, None], residual, final_probs)

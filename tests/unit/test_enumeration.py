@@ -497,12 +497,6 @@ def test_penalty_cases_make_history_matter() -> None:
         assert gap > 0.05, name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: verify_batch does not renormalise float32 p and q rows (sums 1 +- 1e-7): "
-    "its breakpoints are off by ~1e-7 relative and the law misses normalize(p) by up to ~3e-8",
-)
 @pytest.mark.parametrize(
     ("case_name", "vocab", "k"), [("frequency_penalty_1.2", 3, 1), ("q_top2", 6, 3)]
 )
