@@ -207,7 +207,7 @@ CASES = [
     Case("frequency_penalty-1.0", {"frequency_penalty": 1.0}),
     Case("logit_bias", {"logit_bias": {1: 2.0}}),
     Case("allowed_token_ids", {"allowed_token_ids": [0, 2, 3]}),
-    Case("banned_token_ids", {"banned_token_ids": [1, 4]}),
+    Case("banned_token_ids", {"banned_token_ids": [3]}),  # the likeliest first token
     Case(
         "combined",
         {"temperature": 0.8, "top_k": 4, "presence_penalty": 0.5, "banned_token_ids": [2]},

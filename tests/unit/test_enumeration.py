@@ -22,7 +22,8 @@ A cell where they differ is counted (the proof requires none) and integrated on 
 wrong rule also shows as a wrong law.
 
 The verifier is fed the pipeline's rows renormalised in float64, so what is checked to 1e-9
-is the rule itself; feeding the float32 rows unchanged is a separate (currently failing) case.
+is the rule itself; a separate case feeds the float32 rows unchanged (verify_batch renormalises
+them itself).
 
 A round commits m <= k + 1 tokens; each outcome is extended to length k + 1 with the target's
 exact conditionals and compared, sequence by sequence, with the target's own sequence
