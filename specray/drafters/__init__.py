@@ -26,6 +26,11 @@ def make_drafter(
         return NgramDrafter(target_vocab_size)
     spec = DEFAULT_DRAFT if draft == "default" else draft
     if spec in SELF_DRAFT_DTYPES:
+        if target.path is None:
+            raise ValueError(
+                f"draft {draft!r} derives the draft from the target's files; "
+                "an in-memory target has none (pass the draft model itself)"
+            )
         loaded = load_model(str(target.path), dtype=SELF_DRAFT_DTYPES[spec], param="draft")
     elif spec.startswith("self:"):
         raise ValueError(f"draft must be one of {sorted(SELF_DRAFT_DTYPES)}, got {draft!r}")

@@ -79,9 +79,9 @@ class ModelDrafter:
                 if request_id not in logits:
                     continue
                 self._cached[request_id].extend(feeds[request_id])
-                draft_probs = request.pipeline.probs(
-                    logits[request_id], request.output_token_ids, proposals[request_id]
-                )  # [1, vocab]
+                # History at this position: committed output plus this round's drafts so far.
+                history = [*request.output_token_ids, *proposals[request_id]]
+                draft_probs = request.pipeline.probs(logits[request_id], history)  # [1, vocab]
                 draft_probs = quantize_draft_probs(draft_probs, self.encoding)
                 position = len(request.output_token_ids) + step
                 uniform = request.random.uniforms([position], Purpose.DRAFT)

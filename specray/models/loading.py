@@ -35,7 +35,7 @@ class ModelSourceError(ValueError):
 class LoadedModel:
     model: torch.nn.Module
     tokenizer: object  # a transformers PreTrainedTokenizerBase
-    path: Path  # the local directory the weights came from
+    path: Path | None  # the local directory the weights came from (None: in memory)
 
 
 def cache_dir() -> Path:

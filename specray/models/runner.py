@@ -147,6 +147,9 @@ class ModelRunner:
         width = max(counts)
         if width == 0:
             return {}
+        for row, seq_id in enumerate(self.seq_ids):  # checked before any state changes
+            if seq_id in num_logits and not 1 <= num_logits[seq_id] <= counts[row]:
+                raise ValueError(f"num_logits for {seq_id!r} must be in [1, {counts[row]}]")
         input_ids = torch.zeros(rows, width, dtype=torch.int64)  # [rows, width], 0 = padding
         positions = torch.zeros(rows, width, dtype=torch.int64)  # [rows, width]
         new_valid = torch.zeros(rows, width, dtype=torch.bool)  # [rows, width]
@@ -167,10 +170,8 @@ class ModelRunner:
             self.lengths[row] += counts[row]
             if seq_id not in num_logits:
                 continue
-            wanted = num_logits[seq_id]
-            if not 1 <= wanted <= counts[row]:
-                raise ValueError(f"num_logits for {seq_id!r} must be in [1, {counts[row]}]")
-            out[seq_id] = self._logits(hidden_or_logits, row, counts[row] - wanted, counts[row])
+            start = counts[row] - num_logits[seq_id]
+            out[seq_id] = self._logits(hidden_or_logits, row, start, counts[row])
         return out
 
     def _run(self, input_ids, positions, attention_mask, width, num_logits):

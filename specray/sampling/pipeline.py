@@ -86,9 +86,9 @@ class LogitsPipeline:
     ) -> torch.Tensor:
         """Steps 1-2: bias, masks and penalties. ``logits``: ``[rows, vocab]`` -> same shape."""
         rows = logits.shape[0]
-        if rows > len(candidate_token_ids) + 1:
+        if not rows - 1 <= len(candidate_token_ids) <= rows:
             raise ValueError(
-                f"{rows} logits rows need at least {rows - 1} candidate tokens, "
+                f"{rows} logits rows need {rows - 1} candidate tokens (or {rows}), "
                 f"got {len(candidate_token_ids)}"
             )
         out = logits.to(torch.float32)

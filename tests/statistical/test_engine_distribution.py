@@ -59,8 +59,8 @@ DRAFT_NOISE = 0.5  # draft = target + noise of half each weight's std: acceptanc
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    """Thousands of tiny tensor ops: one intra-op thread avoids OpenMP wake-ups (ms each on a
-    busy 2-core machine) and keeps this file fast. Restored afterwards."""
+    """Thousands of tiny tensor ops: one intra-op thread avoids OpenMP wake-ups (milliseconds
+    per op on a busy 2-core machine) and keeps this file fast. Restored afterwards."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
