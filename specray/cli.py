@@ -24,6 +24,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft-probs-encoding", default="fp32", help="fp32 | fp16 | bf16 | top<M> (exact)"
     )
+    parser.add_argument(
+        "--cluster",
+        default=None,
+        help="run on Ray: 'auto' (embedded local Ray) or a cluster address; default in process",
+    )
+    parser.add_argument("--tp-size", type=int, default=1, help="target tensor-parallel ranks")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -47,11 +53,17 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="side-by-side speed and acceptance benchmark")
     bench.add_argument("--target", default="default")
-    bench.add_argument("--k", type=int, default=4)
+    bench.add_argument("--k", default="ngram=4,default=8", help="N, or drafter=N pairs")
     bench.add_argument("--max-tokens", type=int, default=64)
     bench.add_argument("--num-prompts", type=int, default=24)
     bench.add_argument("--batch-size", type=int, default=8, help="for the batched comparison")
     bench.add_argument("--skip-transformers", action="store_true")
+    bench.add_argument(
+        "--backend",
+        choices=["local", "distributed"],
+        default="local",
+        help="distributed: the distribution tax on a local multi-node Ray cluster",
+    )
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per configuration")
     return parser
@@ -77,10 +89,17 @@ def _generate(args: argparse.Namespace) -> int:
         draft=args.draft,
         num_speculative_tokens=args.k,
         draft_probs_encoding=args.draft_probs_encoding,
+        cluster=args.cluster,
+        tp_size=args.tp_size,
     )
-    started = time.perf_counter()
-    output = engine.generate([args.prompt], params, use_chat_template=not args.no_chat_template)[0]
-    wall_s = time.perf_counter() - started
+    try:
+        started = time.perf_counter()
+        output = engine.generate(
+            [args.prompt], params, use_chat_template=not args.no_chat_template
+        )[0]
+        wall_s = time.perf_counter() - started
+    finally:
+        engine.shutdown()
     record = output.to_dict() | {
         "wall_s": wall_s,
         "tokens_per_s": len(output.token_ids) / wall_s if wall_s > 0 else 0.0,
@@ -101,16 +120,20 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from specray.bench import BenchConfig, print_report, run_bench
+    from specray.bench import BenchConfig, parse_k, print_report, run_bench, run_distributed_bench
 
     config = BenchConfig(
         target=args.target,
-        k=args.k,
+        k=parse_k(args.k),
         max_tokens=args.max_tokens,
         num_prompts=args.num_prompts,
         batch_size=args.batch_size,
         compare_transformers=not args.skip_transformers,
     )
+    if args.backend == "distributed":
+        report = run_distributed_bench(config)
+        print(json.dumps(report, indent=2))
+        return 0
     report = run_bench(config)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -1,12 +1,8 @@
 """The offline engine: ``Engine(target, draft, num_speculative_tokens).generate(prompts, params)``.
 
-One round for every active request (requests join and leave at round boundaries):
-  1. the drafter proposes up to k tokens per request, each with the exact q it came from;
-  2. the target runs one forward over ``[pending, d_1 .. d_n]`` per request (batched);
-  3. the request's LogitsPipeline turns each row into p, with the history at that position;
-  4. the verification rule (greedy or stochastic, keyed draws) commits 1..n+1 tokens;
-  5. the target cache rolls back the rejected suffix; the drafter re-syncs on its next call.
-The target cache holds every committed token except the last ("pending"), which is fed first.
+Each round, for every active request (requests join and leave at round boundaries), the drafter
+proposes up to k tokens with the exact q each came from, and the target core verifies them all
+in one batched forward (see :mod:`specray.core`).
 """
 
 from __future__ import annotations
@@ -14,23 +10,21 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from specray.cluster.placement import PlacementConfig
+from specray.core import Block, RequestState, TargetCore, eos_token_ids
+from specray.distributed import DEFAULT_DRAFT_DEADLINE_S, DistributedBackend, connect
 from specray.drafters import Drafter, DraftRequest, make_drafter
-from specray.models.loading import LoadedModel, load_model
+from specray.models.loading import LoadedModel, load_model, load_model_info
 from specray.models.runner import ModelRunner
-from specray.outputs import RequestOutput, SpecDecodeMetrics
+from specray.outputs import RequestOutput
 from specray.sampling import (
     MAX_SPEC_LEN,
     DraftProbsEncoding,
-    KeyedRandom,
-    LogitsPipeline,
     SamplingParams,
-    VerifyUniforms,
-    verify_batch,
-    verify_batch_greedy,
 )
 from specray.sampling.rng import random_seed
 
@@ -51,49 +45,6 @@ class EngineTiming:
     rounds: int = 0
 
 
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    pipeline: LogitsPipeline
-    random: KeyedRandom
-    stop_token_ids: frozenset[int]
-    output_token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
-
-    @property
-    def pending_token(self) -> int:
-        """The last committed token: known, but not yet in the target's KV cache."""
-        return (self.output_token_ids or self.prompt_token_ids)[-1]
-
-    @property
-    def remaining(self) -> int:
-        return self.params.max_tokens - len(self.output_token_ids)
-
-    def commit(self, token_ids: Sequence[int]) -> None:
-        for token_id in token_ids:
-            self.output_token_ids.append(token_id)
-            if token_id in self.stop_token_ids:
-                self.finish_reason = "stop"
-                return
-            if self.remaining == 0:
-                self.finish_reason = "length"
-                return
-
-
-def _eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for value in (config_eos, getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(value)
-    return frozenset(ids)
-
-
 class Engine:
     """Speculative decoding in one process, exact under every sampling option.
 
@@ -105,6 +56,9 @@ class Engine:
     num_speculative_tokens: k, the most draft tokens verified per round (0..MAX_SPEC_LEN).
     draft_probs_encoding: how q is represented (fp32 | fp16 | bf16 | top<M>); the draft samples
         from the encoded q, so every choice is exact.
+    cluster: ``None`` runs in this process; ``"auto"`` runs draft and target as Ray actors that
+        exchange blocks over gRPC on an embedded local Ray; an address joins an existing cluster.
+    tp_size: tensor-parallel ranks of the target group (distributed only).
     """
 
     def __init__(
@@ -116,6 +70,10 @@ class Engine:
         draft_probs_encoding: str = "fp32",
         tokenizer=None,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        cluster: str | None = None,
+        tp_size: int = 1,
+        placement: PlacementConfig | None = None,
+        draft_deadline_s: float = DEFAULT_DRAFT_DEADLINE_S,
     ):
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
             raise EngineInputError(
@@ -131,6 +89,24 @@ class Engine:
         if max_batch_size < 1:
             raise EngineInputError(f"max_batch_size must be >= 1, got {max_batch_size}")
         encoding = DraftProbsEncoding.parse(draft_probs_encoding)
+        self.max_batch_size = max_batch_size
+        self.timing = EngineTiming()
+        self._ids = itertools.count()
+        self.backend: DistributedBackend | None = None
+        if cluster is not None:
+            self._init_distributed(
+                target,
+                draft,
+                num_speculative_tokens,
+                cluster,
+                tp_size,
+                draft_probs_encoding,
+                placement,
+                draft_deadline_s,
+            )
+            return
+        if tp_size != 1:
+            raise EngineInputError(f"tp_size={tp_size} needs a cluster (cluster='auto')")
         if isinstance(target, str):
             loaded = load_model(target, param="target")
         elif isinstance(target, torch.nn.Module):
@@ -139,9 +115,10 @@ class Engine:
             raise EngineInputError(f"target must be a string or a model, got {target!r}")
         self.tokenizer = loaded.tokenizer
         self.target = ModelRunner(loaded.model)
+        self.core = TargetCore(self.target)
         self.vocab_size = self.target.vocab_size
         self.max_positions = getattr(loaded.model.config, "max_position_embeddings", None)
-        self.eos_token_ids = _eos_token_ids(loaded.model, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(loaded.model, self.tokenizer)
         if isinstance(draft, torch.nn.Module):
             from specray.drafters import ModelDrafter, check_same_vocabulary
 
@@ -153,9 +130,47 @@ class Engine:
         else:
             self.drafter = draft
         self.num_speculative_tokens = num_speculative_tokens if self.drafter else 0
-        self.max_batch_size = max_batch_size
-        self.timing = EngineTiming()
-        self._ids = itertools.count()
+
+    def _init_distributed(
+        self,
+        target,
+        draft,
+        num_speculative_tokens,
+        cluster,
+        tp_size,
+        encoding,
+        placement,
+        draft_deadline_s,
+    ) -> None:
+        if not isinstance(target, str):
+            raise EngineInputError("a distributed engine needs target as a path or 'default'")
+        if draft is not None and not isinstance(draft, str):
+            raise EngineInputError("a distributed engine needs draft as a string or None")
+        if not isinstance(cluster, str) or not cluster:
+            raise EngineInputError(f"cluster must be 'auto' or a Ray address, got {cluster!r}")
+        info = load_model_info(target, param="target")
+        self.tokenizer = info.tokenizer
+        self.vocab_size = info.vocab_size
+        self.max_positions = info.max_positions
+        self.eos_token_ids = info.eos_token_ids
+        self.drafter = None
+        self.num_speculative_tokens = num_speculative_tokens if draft is not None else 0
+        placement = placement or PlacementConfig()
+        connect(cluster, placement)
+        self.backend = DistributedBackend(
+            target,
+            draft,
+            tp_size=tp_size,
+            draft_probs_encoding=encoding,
+            placement=placement,
+            draft_deadline_s=draft_deadline_s,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the distributed workers (no-op in process)."""
+        if self.backend is not None:
+            self.backend.shutdown()
+            self.backend = None
 
     # ---- inputs ------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int], *, use_chat_template: bool = True):
@@ -195,16 +210,8 @@ class Engine:
                 f"the model's {self.max_positions} positions"
             )
         seed = params.seed if params.seed is not None else random_seed()
-        stop = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop |= self.eos_token_ids
-        return _Request(
-            request_id=f"req-{next(self._ids)}",
-            prompt_token_ids=token_ids,
-            params=params,
-            pipeline=LogitsPipeline(params, self.vocab_size, token_ids),
-            random=KeyedRandom(seed),
-            stop_token_ids=frozenset(stop),
+        return RequestState.create(
+            f"req-{next(self._ids)}", token_ids, params, seed, self.vocab_size, self.eos_token_ids
         )
 
     # ---- generation --------------------------------------------------------------------
@@ -252,55 +259,41 @@ class Engine:
         return [self._output(request) for request in requests]
 
     def _release(self, request_ids: list[Hashable]) -> None:
-        self.target.remove(request_ids)
+        if self.backend is not None:
+            self.backend.release(request_ids)
+            return
+        self.core.release(request_ids)
         if self.drafter is not None:
             self.drafter.release(request_ids)
 
-    def _prefill(self, requests: list[_Request]) -> None:
+    def _prefill(self, requests: list[RequestState]) -> None:
+        if self.backend is not None:  # the target prefills new requests in their first round
+            return
         started = time.perf_counter()
-        feeds = {r.request_id: r.prompt_token_ids[:-1] for r in requests}
-        self.target.forward({key: value for key, value in feeds.items() if value}, {})
+        self.core.prefill(requests)
+        if getattr(self.drafter, "shares_target_architecture", False):
+            self.drafter.import_prefill(self.target, [self._draft_request(r, 0) for r in requests])
         self.timing.prefill_s += time.perf_counter() - started
 
-    def _round(self, requests: list[_Request]) -> None:
+    def _round(self, requests: list[RequestState]) -> None:
+        if self.backend is not None:
+            self.backend.run_round(requests, self.num_speculative_tokens)
+            return
         started = time.perf_counter()
         blocks = self._draft(requests)
         drafted = time.perf_counter()
-        feeds = {r.request_id: [r.pending_token, *blocks[r.request_id][0]] for r in requests}
-        logits = self.target.forward(feeds, {key: len(value) for key, value in feeds.items()})
-        target_probs = [
-            r.pipeline.probs(logits[r.request_id], r.output_token_ids, blocks[r.request_id][0])
-            for r in requests
-        ]  # each [n + 1, vocab]
-        results = self._verify(requests, blocks, target_probs)
-        for request, committed in zip(requests, results, strict=True):
-            num_draft = len(blocks[request.request_id][0])
-            num_accepted = len(committed) - 1
-            request.metrics.record(num_draft, num_accepted)
-            request.commit(committed)
-            # The cache got [pending, d_1..d_n]; keep pending and the accepted drafts.
-            self.target.rollback(request.request_id, num_draft - num_accepted)
+        self.core.verify_round(requests, blocks)
         self.timing.draft_s += drafted - started
         self.timing.target_s += time.perf_counter() - drafted
         self.timing.rounds += 1
 
-    def _draft(self, requests: list[_Request]) -> dict[Hashable, tuple[list[int], torch.Tensor]]:
-        empty = ([], torch.zeros(0, self.vocab_size))
-        blocks = {r.request_id: empty for r in requests}
+    def _draft(self, requests: list[RequestState]) -> dict[Hashable, Block]:
+        blocks: dict[Hashable, Block] = {}
         asks = []
         for request in requests:
             k = min(self.num_speculative_tokens, request.remaining - 1)
             if k > 0:
-                asks.append(
-                    DraftRequest(
-                        request.request_id,
-                        request.prompt_token_ids,
-                        request.output_token_ids,
-                        request.pipeline,
-                        request.random,
-                        k,
-                    )
-                )
+                asks.append(self._draft_request(request, k))
         if asks:
             for ask, block in zip(asks, self.drafter.propose(asks), strict=True):
                 if len(block.token_ids) > ask.num_tokens:
@@ -310,49 +303,18 @@ class Engine:
                 blocks[ask.request_id] = (block.token_ids, block.draft_probs)
         return blocks
 
-    def _verify(self, requests, blocks, target_probs) -> list[list[int]]:
-        """Apply each request's rule; greedy and sampled requests are batched separately."""
-        committed: list[list[int]] = [[] for _ in requests]
-        for greedy in (True, False):
-            rows = [i for i, r in enumerate(requests) if r.params.greedy == greedy]
-            if not rows:
-                continue
-            k = max(len(blocks[requests[i].request_id][0]) for i in rows)
-            num_draft = torch.tensor([len(blocks[requests[i].request_id][0]) for i in rows])
-            draft_ids = torch.zeros(len(rows), k, dtype=torch.int64)  # [batch, k]
-            padded_target = torch.zeros(len(rows), k + 1, self.vocab_size)  # [batch, k+1, vocab]
-            padded_draft = torch.zeros(len(rows), k, self.vocab_size)  # [batch, k, vocab]
-            accept = torch.zeros(len(rows), k, dtype=torch.float64)  # [batch, k]
-            residual = torch.zeros(len(rows), k, dtype=torch.float64)  # [batch, k]
-            bonus = torch.zeros(len(rows), dtype=torch.float64)  # [batch]
-            for slot, i in enumerate(rows):
-                tokens, draft_probs = blocks[requests[i].request_id]
-                n = len(tokens)
-                draft_ids[slot, :n] = torch.tensor(tokens, dtype=torch.int64)
-                padded_target[slot, : n + 1] = target_probs[i]
-                if greedy:
-                    continue
-                padded_draft[slot, :n] = draft_probs
-                uniforms = VerifyUniforms.draw(
-                    requests[i].random, n, len(requests[i].output_token_ids)
-                )
-                accept[slot, :n], residual[slot, :n] = uniforms.accept[0], uniforms.residual[0]
-                bonus[slot] = uniforms.bonus[0]
-            if greedy:
-                result = verify_batch_greedy(draft_ids, num_draft, padded_target)
-            else:
-                result = verify_batch(
-                    draft_ids,
-                    num_draft,
-                    padded_draft,
-                    padded_target,
-                    VerifyUniforms(accept, residual, bonus),
-                )
-            for slot, i in enumerate(rows):
-                committed[i] = result.row(slot).token_ids.tolist()
-        return committed
+    @staticmethod
+    def _draft_request(request: RequestState, k: int) -> DraftRequest:
+        return DraftRequest(
+            request.request_id,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            request.pipeline,
+            request.random,
+            k,
+        )
 
-    def _output(self, request: _Request) -> RequestOutput:
+    def _output(self, request: RequestState) -> RequestOutput:
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)

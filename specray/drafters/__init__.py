@@ -15,7 +15,12 @@ DEFAULT_DRAFT = "self:bf16"  # what draft="default" means until a distilled draf
 
 
 def make_drafter(
-    draft: str | None, target: LoadedModel, target_vocab_size: int, encoding: DraftProbsEncoding
+    draft: str | None,
+    target: LoadedModel,
+    target_vocab_size: int,
+    encoding: DraftProbsEncoding,
+    *,
+    keep_encoded: bool = False,
 ) -> Drafter | None:
     """``None`` (target-only), ``"ngram"``, ``"default"``, ``"self:<dtype>"`` or a model path."""
     if draft is None:
@@ -23,7 +28,7 @@ def make_drafter(
     if not isinstance(draft, str):
         raise ValueError(f"draft must be a string or None, got {draft!r}")
     if draft == "ngram":
-        return NgramDrafter(target_vocab_size)
+        return NgramDrafter(target_vocab_size, keep_encoded=keep_encoded)
     spec = DEFAULT_DRAFT if draft == "default" else draft
     if spec in SELF_DRAFT_DTYPES:
         if target.path is None:
@@ -38,7 +43,12 @@ def make_drafter(
         loaded = load_model(spec, param="draft")
     runner = ModelRunner(loaded.model)
     check_same_vocabulary(target.tokenizer, loaded.tokenizer, target_vocab_size, runner.vocab_size)
-    return ModelDrafter(runner, encoding)
+    return ModelDrafter(
+        runner,
+        encoding,
+        keep_encoded=keep_encoded,
+        shares_target_architecture=spec in SELF_DRAFT_DTYPES,
+    )
 
 
 __all__ = [

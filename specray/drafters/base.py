@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from specray.sampling import KeyedRandom, LogitsPipeline
+from specray.sampling import EncodedDraftProbs, KeyedRandom, LogitsPipeline
 
 
 @dataclass
@@ -39,6 +39,8 @@ class DraftBlock:
 
     token_ids: list[int]  # [n], 0 <= n <= k
     draft_probs: torch.Tensor  # [n, vocab] float32
+    # The wire form q was decoded from (drafters built with keep_encoded=True): sent as is.
+    encoded: EncodedDraftProbs | None = None
 
     @staticmethod
     def empty(vocab_size: int) -> DraftBlock:

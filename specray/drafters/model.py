@@ -15,7 +15,15 @@ import torch
 
 from specray.drafters.base import DraftBlock, DraftRequest
 from specray.models.runner import ModelRunner
-from specray.sampling import DraftProbsEncoding, Purpose, quantize_draft_probs, sample_from_probs
+from specray.sampling import (
+    DraftProbsEncoding,
+    EncodedDraftProbs,
+    Purpose,
+    decode_draft_probs,
+    encode_draft_probs,
+    sample_from_probs,
+    stack_rows,
+)
 
 
 class VocabularyMismatchError(ValueError):
@@ -46,11 +54,34 @@ def _common_prefix(left: Sequence[int], right: Sequence[int]) -> int:
 
 
 class ModelDrafter:
-    def __init__(self, runner: ModelRunner, encoding: DraftProbsEncoding):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        encoding: DraftProbsEncoding,
+        *,
+        keep_encoded: bool = False,
+        shares_target_architecture: bool = False,
+    ):
         self.runner = runner
+        # A self-draft (the target's weights at another precision) can adopt the target's
+        # prompt cache instead of prefilling itself.
+        self.shares_target_architecture = shares_target_architecture
         self.vocab_size = runner.vocab_size
         self.encoding = encoding
+        # In process, fp32 q needs no wire form; a draft worker keeps the bytes it sends.
+        self.keep_encoded = keep_encoded or encoding.name != "fp32"
         self._cached: dict[Hashable, list[int]] = {}  # tokens in the draft KV cache, per request
+
+    def import_prefill(self, target_runner: ModelRunner, requests: Sequence[DraftRequest]) -> None:
+        """Start requests from the target's prompt cache (self-drafts share the architecture):
+        skips the draft's own prefill, which at bf16 costs ~4x the target's on CPU. The draft
+        is still whatever it computes from then on, so exactness is untouched."""
+        fresh = [
+            r for r in requests if r.request_id not in self.runner and r.request_id in target_runner
+        ]
+        self.runner.import_rows(target_runner, [r.request_id for r in fresh])
+        for request in fresh:
+            self._cached[request.request_id] = list(request.prompt_token_ids[:-1])
 
     def _sync(self, request: DraftRequest) -> list[int]:
         """Roll the cache back to the committed tokens; return the committed tokens to feed."""
@@ -66,6 +97,7 @@ class ModelDrafter:
         feeds = {request.request_id: self._sync(request) for request in requests}
         proposals: dict[Hashable, list[int]] = {request.request_id: [] for request in requests}
         probs: dict[Hashable, list[torch.Tensor]] = {request.request_id: [] for request in requests}
+        encoded: dict[Hashable, list[EncodedDraftProbs]] = {r.request_id: [] for r in requests}
         for step in range(max(request.num_tokens for request in requests)):
             if step > 0:  # feed the token drafted at the previous step
                 feeds = {
@@ -82,14 +114,21 @@ class ModelDrafter:
                 # History at this position: committed output plus this round's drafts so far.
                 history = [*request.output_token_ids, *proposals[request_id]]
                 draft_probs = request.pipeline.probs(logits[request_id], history)  # [1, vocab]
-                draft_probs = quantize_draft_probs(draft_probs, self.encoding)
+                if self.keep_encoded:  # sample from exactly what is sent: decode(encode(q))
+                    row = encode_draft_probs(draft_probs, self.encoding)
+                    encoded[request_id].append(row)
+                    draft_probs = decode_draft_probs(row)
                 position = len(request.output_token_ids) + step
                 uniform = request.random.uniforms([position], Purpose.DRAFT)
                 proposals[request_id].append(int(sample_from_probs(draft_probs, uniform)))
                 probs[request_id].append(draft_probs[0])
         return [
-            DraftBlock(proposals[request.request_id], torch.stack(probs[request.request_id]))
-            for request in requests
+            DraftBlock(
+                proposals[r.request_id],
+                torch.stack(probs[r.request_id]),
+                stack_rows(encoded[r.request_id]) if encoded[r.request_id] else None,
+            )
+            for r in requests
         ]
 
     def release(self, request_ids: Sequence[Hashable]) -> None:

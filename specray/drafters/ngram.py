@@ -16,6 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from specray.drafters.base import DraftBlock, DraftRequest
+from specray.sampling import DraftProbsEncoding, encode_draft_probs
+
+POINT_MASS_ENCODING = DraftProbsEncoding.parse("top1")  # exact for a point mass: 8 bytes a row
 
 
 def find_continuation(
@@ -49,9 +52,12 @@ class NgramConfig:
 
 
 class NgramDrafter:
-    def __init__(self, vocab_size: int, config: NgramConfig = NgramConfig()):
+    def __init__(
+        self, vocab_size: int, config: NgramConfig = NgramConfig(), *, keep_encoded: bool = False
+    ):
         self.vocab_size = vocab_size
         self.config = config
+        self.keep_encoded = keep_encoded
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftBlock]:
         blocks = []
@@ -65,7 +71,10 @@ class NgramDrafter:
             draft_probs = torch.zeros(len(token_ids), self.vocab_size)  # [n, vocab] point masses
             if token_ids:
                 draft_probs[torch.arange(len(token_ids)), torch.tensor(token_ids)] = 1.0
-            blocks.append(DraftBlock(token_ids, draft_probs))
+            encoded = None
+            if self.keep_encoded and token_ids:
+                encoded = encode_draft_probs(draft_probs, POINT_MASS_ENCODING)
+            blocks.append(DraftBlock(token_ids, draft_probs, encoded))
         return blocks
 
     def release(self, request_ids: Sequence[Hashable]) -> None:

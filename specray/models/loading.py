@@ -105,13 +105,57 @@ def resolve_model_dir(source: str, *, param: str = "target") -> Path:
     )
 
 
+def load_tokenizer(path: Path):
+    """The directory's tokenizer, or None for a weights-only model (token-id prompts only)."""
+    from transformers import AutoTokenizer
+
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 def load_model(source: str, *, dtype: str = "float32", param: str = "target") -> LoadedModel:
     """Load a causal LM and its tokenizer from local files, in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if dtype not in _DTYPES:
         raise ModelSourceError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     path = resolve_model_dir(source, param=param)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return LoadedModel(model.eval(), tokenizer, path)
+    return LoadedModel(model.eval(), load_tokenizer(path), path)
+
+
+@dataclass
+class ModelInfo:
+    """What a driver needs without the weights: tokenizer, vocabulary, limits, stop ids."""
+
+    tokenizer: object
+    vocab_size: int
+    max_positions: int | None
+    eos_token_ids: frozenset[int]
+    path: Path
+
+
+def load_model_info(source: str, *, param: str = "target") -> ModelInfo:
+    from transformers import AutoConfig, GenerationConfig
+
+    path = resolve_model_dir(source, param=param)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    tokenizer = load_tokenizer(path)
+    eos: set[int] = set()
+    try:
+        generation_eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+    except OSError:
+        generation_eos = None
+    for value in (generation_eos, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            eos.add(value)
+        elif isinstance(value, (list, tuple)):
+            eos.update(value)
+    return ModelInfo(
+        tokenizer,
+        int(config.vocab_size),
+        getattr(config, "max_position_embeddings", None),
+        frozenset(eos),
+        path,
+    )

@@ -38,6 +38,8 @@ down_proj ``[32, 64] -> [32, 32]``.
 
 from __future__ import annotations
 
+import datetime
+
 import torch.distributed as dist
 from torch import nn
 
@@ -53,7 +55,14 @@ def init_process_group_cpu(
 
     ``gloo`` is for CPU tensors; pass ``backend="nccl"`` when the model lives on CUDA devices.
     """
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    # Followers wait in a broadcast while the group is idle: no collective timeout for that.
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(days=365),
+    )
 
 
 def apply_tp(model: nn.Module, rank: int, world_size: int, group=None) -> nn.Module:

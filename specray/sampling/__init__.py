@@ -7,6 +7,7 @@ from specray.sampling.encoding import (
     decode_draft_probs,
     encode_draft_probs,
     quantize_draft_probs,
+    stack_rows,
 )
 from specray.sampling.params import SamplingParams, SamplingParamsError
 from specray.sampling.pipeline import LogitsPipeline
@@ -41,6 +42,7 @@ __all__ = [
     "keyed_uniform",
     "quantize_draft_probs",
     "sample_from_probs",
+    "stack_rows",
     "verify_batch",
     "verify_batch_greedy",
     "verify_block",

@@ -69,6 +69,12 @@ class WireTensor:
         raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()  # CPU torch is little-endian
         return WireTensor(raw, name, tuple(tensor.shape))
 
+    def row(self, index: int) -> WireTensor:
+        """Row ``index`` of a 2-D tensor as a ``[1, ...]`` tensor (a byte slice)."""
+        row_bytes = len(self.data) // self.shape[0]
+        data = self.data[index * row_bytes : (index + 1) * row_bytes]
+        return WireTensor(data, self.dtype, (1, *self.shape[1:]))
+
     def to_tensor(self) -> torch.Tensor:
         if self.dtype not in _WIRE_DTYPES:
             raise ValueError(f"unknown wire dtype {self.dtype!r}")
@@ -99,6 +105,38 @@ class EncodedDraftProbs:
     @property
     def num_bytes(self) -> int:
         return len(self.values.data) + (len(self.token_ids.data) if self.token_ids else 0)
+
+    @property
+    def num_rows(self) -> int:
+        return self.values.shape[0]
+
+    def row(self, index: int) -> EncodedDraftProbs:
+        """Row ``index`` as its own ``[1, ...]`` message (decoding is per row, see stack_rows)."""
+        return EncodedDraftProbs(
+            self.encoding,
+            self.vocab_size,
+            self.values.row(index),
+            self.token_ids.row(index) if self.token_ids is not None else None,
+        )
+
+
+def stack_rows(rows: list[EncodedDraftProbs]) -> EncodedDraftProbs:
+    """Concatenate one-row messages into one ``[k, ...]`` message, bytes unchanged.
+
+    The draft decodes each row as it samples; the receiver decodes row by row again with
+    :meth:`EncodedDraftProbs.row`, so both see bit-identical q (rule 2 of the contract).
+    """
+    first = rows[0]
+    if any(row.encoding != first.encoding or row.vocab_size != first.vocab_size for row in rows):
+        raise ValueError("stacked rows must share one encoding and vocabulary")
+
+    def stack(tensors: list[WireTensor]) -> WireTensor:
+        shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
+        return WireTensor(b"".join(t.data for t in tensors), tensors[0].dtype, shape)
+
+    values = stack([row.values for row in rows])
+    token_ids = stack([row.token_ids for row in rows]) if first.token_ids is not None else None
+    return EncodedDraftProbs(first.encoding, first.vocab_size, values, token_ids)
 
 
 def encode_draft_probs(
@@ -132,7 +170,11 @@ def decode_draft_probs(encoded: EncodedDraftProbs) -> torch.Tensor:
 
 
 def quantize_draft_probs(draft_probs: torch.Tensor, encoding: DraftProbsEncoding) -> torch.Tensor:
-    """What the draft samples from and the target verifies against: decode(encode(q))."""
+    """What the draft samples from and the target verifies against: decode(encode(q)).
+
+    Across a wire, send the encoded rows themselves (never re-encode a decoded q) and decode
+    them row by row: decode is deterministic per row, so both ends hold the same q.
+    """
     if encoding.name == "fp32":
         return draft_probs.float()
     return decode_draft_probs(encode_draft_probs(draft_probs, encoding))

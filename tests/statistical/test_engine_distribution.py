@@ -36,7 +36,7 @@ import pytest
 import scipy.stats
 import torch
 
-import specray.engine
+import specray.core
 from specray.engine import Engine
 from specray.sampling import (
     PLACEHOLDER_TOKEN_ID,
@@ -299,7 +299,7 @@ WRONG_RULES: dict[str, Callable[..., BatchVerifyResult]] = {
 def test_negative_control_wrong_rule_is_rejected(rule, target, draft, monkeypatch, record_property):
     """The harness above (N = 2000, seeds 0..1999, ALPHA = 0.001) with a wrong verification
     rule patched into the engine must reject: p < ALPHA."""
-    monkeypatch.setattr(specray.engine, "verify_batch", WRONG_RULES[rule])
+    monkeypatch.setattr(specray.core, "verify_batch", WRONG_RULES[rule])
     _, fit = run_case(Case(rule), target, draft)
     record_property("fit", fit.describe())
     assert fit.p_value < ALPHA, (

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from specray.engine import Engine
+from specray.models import runner as runner_module
 from specray.models.runner import ModelRunner
 from specray.sampling import LogitsPipeline, SamplingParams
 from tests.helpers.tiny_models import last_logits, perturbed_copy, tiny_llama
@@ -158,6 +159,7 @@ def test_tiny_greedy_identity(draft, k, options, tiny_target, tiny_draft, monkey
         return original_compact(self, width)
 
     monkeypatch.setattr(ModelRunner, "_compact", counting_compact)
+    monkeypatch.setattr(runner_module, "COMPACT_MIN_WASTED_SLOTS", 4)  # compact small holes too
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **options)
     engine = Engine(
         target=tiny_target,

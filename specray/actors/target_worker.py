@@ -1,0 +1,177 @@
+"""TargetWorker: one Ray actor per tensor-parallel rank of a target group.
+
+All ranks load the target and shard it (``apply_tp``); rank 0 serves the gRPC Verifier that
+draft workers stream blocks to, keeps the requests' mirrored state, and runs each round with
+the same :class:`specray.core.TargetCore` as the in-process engine. Other ranks follow rank 0's
+forwards in lockstep (:mod:`specray.actors.tp_group`).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import torch
+
+from specray.core import RequestState, TargetCore, eos_token_ids
+from specray.models.loading import load_model
+from specray.models.runner import ModelRunner
+from specray.models.tp import apply_tp, init_process_group_cpu
+from specray.rpc.inbox import BlockInbox
+from specray.rpc.server import VerifierServicer, start_server
+from specray.v1 import speculation_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def node_ip() -> str:
+    """This node's address on the cluster network (loopback on a one-machine cluster)."""
+    import ray
+
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray
+        return socket.gethostbyname(socket.gethostname())
+
+
+class TargetWorker:
+    def __init__(
+        self,
+        target: str,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        num_threads: int = 1,
+    ):
+        torch.set_num_threads(num_threads)
+        self.rank, self.world_size = rank, world_size
+        loaded = load_model(target, param="target")
+        if world_size > 1:
+            init_process_group_cpu(rank, world_size, init_method)
+            apply_tp(loaded.model, rank, world_size)
+        self.runner = ModelRunner(loaded.model)
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = eos_token_ids(loaded.model, loaded.tokenizer)
+        self.address = None
+        if rank == 0:
+            from specray.actors.tp_group import LeaderRunner
+
+            runner = LeaderRunner(self.runner) if world_size > 1 else self.runner
+            self.core = TargetCore(runner)
+            self.requests: dict[str, RequestState] = {}
+            self.inbox = BlockInbox()
+            self._server, port_address = start_server(
+                VerifierServicer(self.inbox, self.vocab_size), host="0.0.0.0"
+            )
+            self.address = f"{node_ip()}:{port_address.rsplit(':', 1)[1]}"
+
+    def info(self) -> dict:
+        import ray
+
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "address": self.address,
+            "vocab_size": self.vocab_size,
+            "num_kv_heads": self.runner.model.config.num_key_value_heads // self.world_size,
+        }
+
+    # ---- followers (rank > 0) ----------------------------------------------------------
+    def follow(self) -> int:
+        from specray.actors.tp_group import follow
+
+        return follow(self.runner)
+
+    # ---- leader (rank 0) ---------------------------------------------------------------
+    def verify_round(self, round_spec: list[dict], draft_deadline_s: float) -> list[dict]:
+        """Run one round for the given requests; wait up to the deadline for their blocks.
+
+        Each item: ``request_id``, ``step``, ``num_committed``, ``expect_draft``, and on a
+        request's first round (or to replay after a restart) ``prompt_token_ids``, ``params``,
+        ``seed`` and ``output_token_ids``. Returns per request the committed tokens, counts and
+        finish reason, plus why a block was dropped (if it was).
+        """
+        fresh = [item for item in round_spec if item["request_id"] not in self.requests]
+        for item in fresh:
+            state = RequestState.from_spec(item, self.vocab_size, self.eos_token_ids)
+            self.requests[state.request_id] = state
+        if fresh:
+            self.core.prefill(
+                [self._replay_view(self.requests[item["request_id"]]) for item in fresh]
+            )
+        states = [self.requests[item["request_id"]] for item in round_spec]
+        for item, state in zip(round_spec, states, strict=True):
+            if item["num_committed"] != len(state.output_token_ids):
+                raise RuntimeError(
+                    f"request {state.request_id} is at {len(state.output_token_ids)} committed "
+                    f"tokens here, the caller says {item['num_committed']}"
+                )
+        keys = [(item["request_id"], item["step"]) for item in round_spec if item["expect_draft"]]
+        arrived = self.inbox.take(keys, time.monotonic() + draft_deadline_s) if keys else {}
+        blocks, dropped = {}, {}
+        for key, value in arrived.items():
+            if isinstance(value, str):
+                dropped[key[0]] = value
+            elif value.num_committed != len(self.requests[key[0]].output_token_ids):
+                dropped[key[0]] = "stale: drafted from other committed tokens"
+            else:
+                blocks[key[0]] = (value.token_ids, value.draft_probs)
+        for key in keys:
+            if key not in arrived:
+                dropped[key[0]] = "deadline: no block arrived in time"
+        committed = self.core.verify_round(states, blocks)
+        results = []
+        for item, state, tokens in zip(round_spec, states, committed, strict=True):
+            num_draft = len(blocks.get(state.request_id, ([],))[0])
+            reply = self.inbox.reply_to((state.request_id, item["step"]))
+            if reply is not None:
+                reply(
+                    pb.Verdict(
+                        request_id=state.request_id,
+                        step=item["step"],
+                        num_accepted=len(tokens) - 1,
+                        token_ids=tokens,
+                    )
+                )
+            results.append(
+                {
+                    "request_id": state.request_id,
+                    "token_ids": tokens,
+                    "num_draft_tokens": num_draft,
+                    "num_accepted": len(tokens) - 1 if num_draft else 0,
+                    "finish_reason": state.finish_reason,
+                    "dropped_reason": dropped.get(state.request_id, ""),
+                }
+            )
+            if state.finish_reason:
+                self.release([state.request_id])
+        return results
+
+    @staticmethod
+    def _replay_view(state: RequestState) -> RequestState:
+        """Prefill view: the prompt plus already committed output (replay after a restart)."""
+        if not state.output_token_ids:
+            return state
+        view = RequestState(**{**state.__dict__})
+        view.prompt_token_ids = [*state.prompt_token_ids, *state.output_token_ids]
+        return view
+
+    def release(self, request_ids: list[str]) -> None:
+        """Free finished or cancelled requests (KV cache, state, pending blocks)."""
+        known = [request_id for request_id in request_ids if request_id in self.requests]
+        if known:
+            self.core.release(known)
+        for request_id in known:
+            del self.requests[request_id]
+            self.inbox.forget(request_id)
+
+    def inbox_stats(self) -> dict:
+        return dict(self.inbox.stats.__dict__)
+
+    def stop(self) -> None:
+        """Stop the followers' loops (rank 0) and the gRPC server."""
+        if self.world_size > 1:
+            self.core.runner.stop()
+        self._server.stop(grace=1)

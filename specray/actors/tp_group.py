@@ -1,0 +1,95 @@
+"""Lockstep driving of a tensor-parallel group: rank 0 leads, the other ranks follow.
+
+Every rank owns a ModelRunner over its shard, and every rank must run the same forwards in the
+same order (each forward makes two all-reduces per layer). Rank 0 wraps its runner in a
+:class:`LeaderRunner` that broadcasts each forward as a small msgpack command (no pickle) before
+running it; rollbacks and removals are local cache edits, so they are queued and ride along
+with the next forward. Followers run :func:`follow` until told to stop. Followers compute no
+logits: only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from specray.models.runner import ModelRunner
+
+MAX_COMMAND_BYTES = 64 * 1024 * 1024  # a forward command carries token ids only
+
+
+def _broadcast_bytes(payload: bytes | None) -> bytes:
+    """Rank 0 sends ``payload``; every rank returns it."""
+    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    count = int(size.item())
+    if not 0 <= count <= MAX_COMMAND_BYTES:
+        raise ValueError(f"TP command of {count} bytes exceeds {MAX_COMMAND_BYTES}")
+    if payload is None:
+        buffer = torch.empty(count, dtype=torch.uint8)
+    else:
+        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    dist.broadcast(buffer, src=0)
+    return buffer.numpy().tobytes()
+
+
+def _apply_ops(runner: ModelRunner, ops: list) -> None:
+    for op in ops:
+        if op[0] == "rollback":
+            runner.rollback(op[1], op[2])
+        elif op[0] == "remove":
+            runner.remove(op[1])
+        else:
+            raise ValueError(f"unknown TP op {op[0]!r}")
+
+
+class LeaderRunner:
+    """Rank 0's runner: the ModelRunner interface, mirrored on every follower."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self._ops: list = []  # local edits not yet sent to the followers
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self.runner
+
+    def length(self, seq_id: Hashable) -> int:
+        return self.runner.length(seq_id)
+
+    def forward(
+        self, new_token_ids: Mapping[Hashable, Sequence[int]], num_logits: Mapping[Hashable, int]
+    ) -> dict[Hashable, torch.Tensor]:
+        feeds = {seq_id: list(tokens) for seq_id, tokens in new_token_ids.items()}
+        command = {"op": "forward", "ops": self._ops, "feeds": feeds}
+        _broadcast_bytes(msgpack.packb(command))
+        self._ops = []
+        return self.runner.forward(feeds, num_logits)
+
+    def rollback(self, seq_id: Hashable, num_tokens: int) -> None:
+        self.runner.rollback(seq_id, num_tokens)
+        if num_tokens > 0:
+            self._ops.append(("rollback", seq_id, num_tokens))
+
+    def remove(self, seq_ids: Sequence[Hashable]) -> None:
+        self.runner.remove(seq_ids)
+        self._ops.append(("remove", list(seq_ids)))
+
+    def stop(self) -> None:
+        _broadcast_bytes(msgpack.packb({"op": "stop", "ops": self._ops}))
+        self._ops = []
+
+
+def follow(runner: ModelRunner) -> int:
+    """A follower's loop: mirror the leader's commands until it stops. Returns forwards run."""
+    forwards = 0
+    while True:
+        command = msgpack.unpackb(_broadcast_bytes(None), use_list=True)
+        _apply_ops(runner, command["ops"])
+        if command["op"] == "stop":
+            return forwards
+        runner.forward(command["feeds"], {})
+        forwards += 1

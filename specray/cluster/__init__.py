@@ -1,0 +1,1 @@
+"""Cluster side: placement of draft and target workers (coordinator and autoscaling later)."""

@@ -1,0 +1,44 @@
+"""Placement by node type: draft workers on draft nodes, each target TP group packed on one
+target node. Node types are Ray custom resources whose names are configurable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    draft_resource: str = "draft"  # custom resource advertised by draft (cheap GPU) nodes
+    target_resource: str = "target"  # custom resource advertised by target (large GPU) nodes
+    draft_num_cpus: float = 0.5  # per draft worker
+    target_num_cpus: float = 0.5  # per TP rank
+    num_threads: int = 1  # torch threads per worker
+
+    def __post_init__(self) -> None:
+        for name in ("draft_resource", "target_resource"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        for name in ("draft_num_cpus", "target_num_cpus"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int):
+            raise ValueError(f"num_threads must be an integer, got {self.num_threads!r}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> PlacementConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown placement option {unknown[0]!r}")
+        return cls(**values)
+
+    def target_bundles(self, tp_size: int) -> list[dict[str, float]]:
+        """One bundle per TP rank; STRICT_PACK keeps the group on one target node."""
+        return [{"CPU": self.target_num_cpus, self.target_resource: 1.0}] * tp_size
+
+    def draft_options(self) -> dict:
+        return {"num_cpus": self.draft_num_cpus, "resources": {self.draft_resource: 1.0}}

@@ -1,0 +1,207 @@
+"""Target-side core shared by every backend: request state and one verification round.
+
+The in-process :class:`specray.engine.Engine` drives it with a local drafter; the distributed
+target worker drives it with draft blocks that arrived over gRPC. Either way a round is:
+  1. one target forward over ``[pending, d_1 .. d_n]`` per request (batched);
+  2. the request's LogitsPipeline turns each row into p, with the history at that position;
+  3. the verification rule (greedy or stochastic, keyed draws) commits 1..n+1 tokens;
+  4. the target cache rolls back the rejected suffix.
+The target cache holds every committed token except the last ("pending"), which is fed first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specray.models.runner import ModelRunner
+from specray.outputs import SpecDecodeMetrics
+from specray.sampling import (
+    KeyedRandom,
+    LogitsPipeline,
+    SamplingParams,
+    VerifyUniforms,
+    verify_batch,
+    verify_batch_greedy,
+)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    pipeline: LogitsPipeline
+    random: KeyedRandom
+    stop_token_ids: frozenset[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
+
+    @staticmethod
+    def create(
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+    ) -> RequestState:
+        stop = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop |= eos_token_ids
+        return RequestState(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            pipeline=LogitsPipeline(params, vocab_size, prompt_token_ids),
+            random=KeyedRandom(seed),
+            stop_token_ids=frozenset(stop),
+        )
+
+    @staticmethod
+    def from_spec(spec: dict, vocab_size: int, eos_token_ids: frozenset[int]) -> RequestState:
+        """Rebuild a request from a round spec (see :meth:`to_spec`) on a worker."""
+        state = RequestState.create(
+            spec["request_id"],
+            list(spec["prompt_token_ids"]),
+            SamplingParams.from_dict(spec["params"]),
+            spec["seed"],
+            vocab_size,
+            eos_token_ids,
+        )
+        state.output_token_ids = list(spec.get("output_token_ids", ()))
+        return state
+
+    def to_spec(self) -> dict:
+        """What a worker needs to rebuild this request: plain data, no tensors."""
+        params = dict(self.params.__dict__)
+        params["logit_bias"] = dict(self.params.logit_bias)
+        return {
+            "request_id": self.request_id,
+            "prompt_token_ids": self.prompt_token_ids,
+            "params": params,
+            "seed": self.random.seed,
+            "output_token_ids": self.output_token_ids,
+        }
+
+    @property
+    def pending_token(self) -> int:
+        """The last committed token: known, but not yet in the target's KV cache."""
+        return (self.output_token_ids or self.prompt_token_ids)[-1]
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_token_ids)
+
+    def commit(self, token_ids: Sequence[int]) -> None:
+        for token_id in token_ids:
+            self.output_token_ids.append(token_id)
+            if token_id in self.stop_token_ids:
+                self.finish_reason = "stop"
+                return
+            if self.remaining == 0:
+                self.finish_reason = "length"
+                return
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
+    """End-of-sequence ids from the model's generation config and the tokenizer."""
+    ids: set[int] = set()
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (config_eos, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(value)
+    return frozenset(ids)
+
+
+# A block as the core consumes it: drafted tokens [n] and the exact q they came from [n, vocab].
+Block = tuple[list[int], torch.Tensor]
+
+
+class TargetCore:
+    """Owns the target runner; verifies blocks and commits tokens into request states."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+
+    def prefill(self, requests: Sequence[RequestState]) -> None:
+        """Cache each prompt except its last token (the first pending token)."""
+        feeds = {r.request_id: r.prompt_token_ids[:-1] for r in requests}
+        self.runner.forward({key: value for key, value in feeds.items() if value}, {})
+
+    def release(self, request_ids: Sequence[Hashable]) -> None:
+        self.runner.remove(request_ids)
+
+    def verify_round(
+        self, requests: Sequence[RequestState], blocks: Mapping[Hashable, Block]
+    ) -> list[list[int]]:
+        """One round for ``requests``; ``blocks`` lacks requests that run target-only.
+
+        Commits the tokens into each request (stop and length applied), records metrics and
+        rolls the cache back to the accepted prefix. Returns the committed tokens per request.
+        """
+        empty: Block = ([], torch.zeros(0, self.vocab_size))
+        blocks = {r.request_id: blocks.get(r.request_id, empty) for r in requests}
+        feeds = {r.request_id: [r.pending_token, *blocks[r.request_id][0]] for r in requests}
+        logits = self.runner.forward(feeds, {key: len(value) for key, value in feeds.items()})
+        target_probs = [
+            r.pipeline.probs(logits[r.request_id], r.output_token_ids, blocks[r.request_id][0])
+            for r in requests
+        ]  # each [n + 1, vocab]
+        results = self._verify(requests, blocks, target_probs)
+        for request, committed in zip(requests, results, strict=True):
+            num_draft = len(blocks[request.request_id][0])
+            num_accepted = len(committed) - 1
+            request.metrics.record(num_draft, num_accepted)
+            request.commit(committed)
+            # The cache got [pending, d_1..d_n]; keep pending and the accepted drafts.
+            self.runner.rollback(request.request_id, num_draft - num_accepted)
+        return results
+
+    def _verify(self, requests, blocks, target_probs) -> list[list[int]]:
+        """Apply each request's rule; greedy and sampled requests are batched separately."""
+        committed: list[list[int]] = [[] for _ in requests]
+        for greedy in (True, False):
+            rows = [i for i, r in enumerate(requests) if r.params.greedy == greedy]
+            if not rows:
+                continue
+            k = max(len(blocks[requests[i].request_id][0]) for i in rows)
+            num_draft = torch.tensor([len(blocks[requests[i].request_id][0]) for i in rows])
+            draft_ids = torch.zeros(len(rows), k, dtype=torch.int64)  # [batch, k]
+            padded_target = torch.zeros(len(rows), k + 1, self.vocab_size)  # [batch, k+1, vocab]
+            padded_draft = torch.zeros(len(rows), k, self.vocab_size)  # [batch, k, vocab]
+            accept = torch.zeros(len(rows), k, dtype=torch.float64)  # [batch, k]
+            residual = torch.zeros(len(rows), k, dtype=torch.float64)  # [batch, k]
+            bonus = torch.zeros(len(rows), dtype=torch.float64)  # [batch]
+            for slot, i in enumerate(rows):
+                tokens, draft_probs = blocks[requests[i].request_id]
+                n = len(tokens)
+                draft_ids[slot, :n] = torch.tensor(tokens, dtype=torch.int64)
+                padded_target[slot, : n + 1] = target_probs[i]
+                if greedy:
+                    continue
+                padded_draft[slot, :n] = draft_probs
+                uniforms = VerifyUniforms.draw(
+                    requests[i].random, n, len(requests[i].output_token_ids)
+                )
+                accept[slot, :n], residual[slot, :n] = uniforms.accept[0], uniforms.residual[0]
+                bonus[slot] = uniforms.bonus[0]
+            if greedy:
+                result = verify_batch_greedy(draft_ids, num_draft, padded_target)
+            else:
+                result = verify_batch(
+                    draft_ids,
+                    num_draft,
+                    padded_draft,
+                    padded_target,
+                    VerifyUniforms(accept, residual, bonus),
+                )
+            for slot, i in enumerate(rows):
+                committed[i] = result.row(slot).token_ids.tolist()
+        return committed

@@ -1,0 +1,97 @@
+"""Where draft blocks wait for their verification round, keyed by (request_id, step).
+
+Idempotent by construction: the first valid block for a key wins and later copies (retries,
+duplicates, replays) are ignored; a block for a step that was already verified is dropped.
+Invalid blocks are counted and remembered as a drop reason, so that round runs target-only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from specray.rpc.messages import CheckedBlock
+
+Key = tuple[str, int]  # (request_id, step)
+
+
+@dataclass
+class InboxStats:
+    received: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    invalid: int = 0
+    invalid_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class BlockInbox:
+    def __init__(self):
+        self._lock = threading.Condition()
+        self._blocks: dict[Key, CheckedBlock] = {}
+        self._invalid: dict[Key, str] = {}
+        self._reply: dict[Key, Callable] = {}  # where to send the verdict for a key
+        self._verified_step: dict[str, int] = {}  # highest step already verified per request
+        self.stats = InboxStats()
+
+    def put(self, block: CheckedBlock, reply: Callable) -> bool:
+        """Store a valid block; False when it is a duplicate or stale (ignored)."""
+        key = (block.request_id, block.step)
+        with self._lock:
+            self.stats.received += 1
+            if block.step <= self._verified_step.get(block.request_id, -1):
+                self.stats.stale += 1
+                return False
+            if key in self._blocks:
+                self.stats.duplicates += 1
+                return False
+            self._blocks[key] = block
+            self._reply[key] = reply
+            self._lock.notify_all()
+            return True
+
+    def put_invalid(self, request_id: str, step: int, reason: str) -> None:
+        with self._lock:
+            self.stats.invalid += 1
+            label = reason.split(":")[0][:60]
+            self.stats.invalid_reasons[label] = self.stats.invalid_reasons.get(label, 0) + 1
+            if request_id:
+                self._invalid.setdefault((request_id, step), reason)
+                self._lock.notify_all()
+
+    def take(self, keys: Iterable[Key], deadline: float) -> dict[Key, CheckedBlock | str]:
+        """Wait until every key has a block or a drop reason, or the deadline passes.
+
+        Returns what arrived: a block, or the reason it was dropped; missing keys are absent.
+        The keys are marked verified, so late copies are dropped as stale.
+        """
+        keys = list(keys)
+        with self._lock:
+            while True:
+                done = all(key in self._blocks or key in self._invalid for key in keys)
+                remaining = deadline - time.monotonic()
+                if done or remaining <= 0:
+                    break
+                self._lock.wait(remaining)
+            out: dict[Key, CheckedBlock | str] = {}
+            for key in keys:
+                if key in self._blocks:
+                    out[key] = self._blocks.pop(key)
+                elif key in self._invalid:
+                    out[key] = self._invalid.pop(key)
+                request_id, step = key
+                self._verified_step[request_id] = max(step, self._verified_step.get(request_id, -1))
+            return out
+
+    def reply_to(self, key: Key) -> Callable | None:
+        with self._lock:
+            return self._reply.pop(key, None)
+
+    def forget(self, request_id: str) -> None:
+        """Drop everything about a finished request."""
+        with self._lock:
+            for store in (self._blocks, self._invalid, self._reply):
+                for key in [key for key in store if key[0] == request_id]:
+                    del store[key]
+            self._verified_step.pop(request_id, None)

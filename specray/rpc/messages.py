@@ -1,0 +1,154 @@
+"""Protobuf messages of the draft <-> target contract, and their validation.
+
+Every inbound message is validated before use (DESIGN.md section 3): shapes, token ids in
+range, k <= MAX_SPEC_LEN, q finite, non-negative and summing to 1 within a tolerance, and q > 0
+at every drafted token. A block that fails raises :class:`InvalidMessageError`; the caller
+drops it and runs that round target-only, so it never reaches the sampler.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specray.sampling import (
+    MAX_SPEC_LEN,
+    DraftProbsEncoding,
+    EncodedDraftProbs,
+    WireTensor,
+    decode_draft_probs,
+)
+from specray.v1 import speculation_pb2 as pb
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # explicit gRPC send/receive limit on both ends
+MAX_REQUEST_ID_CHARS = 128
+# fp16 keeps ~3 decimal digits: an honest q's row sums stay within this of 1 after encoding.
+ROW_SUM_TOLERANCE = 1e-2
+
+
+class InvalidMessageError(ValueError):
+    """An inbound message failed validation; the message says which field and why."""
+
+
+@dataclass(frozen=True)
+class CheckedBlock:
+    """A validated draft block, decoded: ``draft_probs[j]`` is the q ``token_ids[j]`` came from."""
+
+    request_id: str
+    step: int
+    num_committed: int
+    token_ids: list[int]  # [k]
+    draft_probs: torch.Tensor  # [k, vocab] float32, rows sum to 1
+
+
+def _tensor_to_pb(tensor: WireTensor) -> pb.Tensor:
+    return pb.Tensor(data=tensor.data, dtype=tensor.dtype, shape=list(tensor.shape))
+
+
+def _tensor_from_pb(message: pb.Tensor, field: str) -> torch.Tensor:
+    try:
+        return WireTensor(message.data, message.dtype, tuple(message.shape)).to_tensor()
+    except ValueError as error:
+        raise InvalidMessageError(f"{field}: {error}") from None
+
+
+def block_to_pb(
+    request_id: str,
+    step: int,
+    num_committed: int,
+    token_ids: list[int],
+    encoded: EncodedDraftProbs | None,  # [k, ...]: the bytes q was decoded from, unchanged
+) -> pb.DraftBlock:
+    if encoded is None:  # an empty block: nothing proposed this round
+        return pb.DraftBlock(request_id=request_id, step=step, num_committed=num_committed)
+    probs = pb.DraftProbs(
+        encoding=encoded.encoding,
+        vocab_size=encoded.vocab_size,
+        values=_tensor_to_pb(encoded.values),
+    )
+    if encoded.token_ids is not None:
+        probs.token_ids.CopyFrom(_tensor_to_pb(encoded.token_ids))
+    return pb.DraftBlock(
+        request_id=request_id,
+        step=step,
+        num_committed=num_committed,
+        token_ids=token_ids,
+        draft_probs=probs,
+    )
+
+
+def check_block(message: pb.DraftBlock, vocab_size: int) -> CheckedBlock:
+    """Validate and decode an inbound block, or raise InvalidMessageError."""
+    if not message.request_id or len(message.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidMessageError(f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
+    token_ids = list(message.token_ids)
+    k = len(token_ids)
+    if not 0 <= k <= MAX_SPEC_LEN:
+        raise InvalidMessageError(f"k must be in [0, {MAX_SPEC_LEN}], got {k}")
+    if k == 0:  # the draft had nothing to propose: this round runs target-only, no waiting
+        empty = torch.zeros(0, vocab_size)
+        return CheckedBlock(message.request_id, message.step, message.num_committed, [], empty)
+    bad = [token_id for token_id in token_ids if not 0 <= token_id < vocab_size]
+    if bad:
+        raise InvalidMessageError(f"token_ids holds {bad[0]}, outside [0, {vocab_size})")
+    probs = message.draft_probs
+    try:
+        encoding = DraftProbsEncoding.parse(probs.encoding)
+    except ValueError as error:
+        raise InvalidMessageError(str(error)) from None
+    if probs.vocab_size != vocab_size:
+        raise InvalidMessageError(f"vocab_size must be {vocab_size}, got {probs.vocab_size}")
+    values = _tensor_from_pb(probs.values, "draft_probs.values")
+    if encoding.sparse:
+        expected = (k, min(encoding.top_m, vocab_size))
+        ids = _tensor_from_pb(probs.token_ids, "draft_probs.token_ids")
+        if tuple(ids.shape) != expected or ids.dtype != torch.int32:
+            raise InvalidMessageError(f"draft_probs.token_ids must be int32 {expected}")
+        if bool(((ids < 0) | (ids >= vocab_size)).any()):
+            raise InvalidMessageError(f"draft_probs.token_ids must be in [0, {vocab_size})")
+        if any(len(set(row)) != len(row) for row in ids.tolist()):
+            raise InvalidMessageError("draft_probs.token_ids repeats an id within a row")
+    else:
+        expected = (k, vocab_size)
+    if tuple(values.shape) != expected:
+        raise InvalidMessageError(
+            f"draft_probs.values must have shape {expected}, got {tuple(values.shape)}"
+        )
+    values64 = values.double()
+    if not bool(torch.isfinite(values64).all()) or bool((values64 < 0).any()):
+        raise InvalidMessageError("draft_probs must be finite and non-negative")
+    sums = values64.sum(dim=-1)
+    # Dense rows carry a whole distribution; sparse rows its top-M mass (renormalised on decode).
+    low = 0.0 if encoding.sparse else 1 - ROW_SUM_TOLERANCE
+    if not bool(((sums > low) & (sums <= 1 + ROW_SUM_TOLERANCE)).all()):
+        worst = float(sums[(sums - 1).abs().argmax()])
+        raise InvalidMessageError(f"draft_probs rows must sum to 1, got a row summing to {worst}")
+    encoded = EncodedDraftProbs(
+        probs.encoding,
+        vocab_size,
+        WireTensor(probs.values.data, probs.values.dtype, tuple(probs.values.shape)),
+        WireTensor(probs.token_ids.data, probs.token_ids.dtype, tuple(probs.token_ids.shape))
+        if encoding.sparse
+        else None,
+    )
+    # Decode row by row, as the draft did, so both ends hold bit-identical q.
+    draft_probs = torch.cat([decode_draft_probs(encoded.row(j)) for j in range(k)])  # [k, vocab]
+    at_draft = draft_probs[torch.arange(k), torch.tensor(token_ids)]
+    if not bool((at_draft > 0).all()):
+        position = int((at_draft <= 0).nonzero()[0])
+        raise InvalidMessageError(f"draft_probs is 0 at drafted token {position} (q(d) > 0)")
+    if not math.isfinite(float(draft_probs.sum())):
+        raise InvalidMessageError("draft_probs decode to non-finite values")
+    return CheckedBlock(
+        message.request_id, message.step, message.num_committed, token_ids, draft_probs
+    )
+
+
+def grpc_options() -> list[tuple[str, int]]:
+    """Channel / server options: explicit message size limits (never unlimited)."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]

@@ -1,0 +1,189 @@
+"""The distributed path on a real multi-node Ray cluster on one machine.
+
+One ``ray.cluster_utils.Cluster`` for the module: a head (driver only), a draft node and a
+target node, told apart by the ``draft`` / ``target`` custom resources. Draft and target
+workers exchange blocks over real gRPC on loopback.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+
+from specray import Engine, SamplingParams
+from specray.rpc.messages import MAX_MESSAGE_BYTES, grpc_options
+from specray.v1 import speculation_pb2 as pb
+from specray.v1 import speculation_pb2_grpc as pb_grpc
+from tests.helpers.tiny_models import exact_sequence_probs, perturbed_copy, tiny_llama
+from tests.statistical.test_engine_distribution import chi_square_fit
+
+PROMPTS = ["Write a haiku about the sea.", "Name three primary colors."]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+ALPHA = 0.001  # significance level of the statistical test
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    draft_node = cluster.add_node(num_cpus=2, resources={"draft": 4})
+    target_node = cluster.add_node(num_cpus=2, resources={"target": 4})
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster, draft_node, target_node
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """In-process target-only greedy outputs: the ground truth for every path."""
+    engine = Engine("default", draft=None)
+    return [output.token_ids for output in engine.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def distributed(cluster):
+    engine = Engine(
+        "default",
+        draft="default",
+        num_speculative_tokens=4,
+        cluster=cluster[0].address,
+        draft_deadline_s=2.0,
+    )
+    yield engine
+    engine.shutdown()
+
+
+def test_workers_land_on_their_node_types(cluster, distributed):
+    _, draft_node, target_node = cluster
+    report = distributed.backend.placement_report()
+    assert report["target"] == [target_node.node_id]
+    assert report["draft"] == draft_node.node_id
+
+
+def test_greedy_distributed_equals_in_process_and_target_only(distributed, reference):
+    outputs = distributed.generate(PROMPTS, GREEDY)
+    assert [output.token_ids for output in outputs] == reference
+    assert sum(output.metrics.num_accepted_tokens for output in outputs) > 0, "drafts were used"
+    in_process = Engine("default", draft="default", num_speculative_tokens=4)
+    assert [o.token_ids for o in in_process.generate(PROMPTS, GREEDY)] == reference
+
+
+def test_killing_the_draft_worker_mid_generation_loses_nothing(distributed, reference):
+    backend = distributed.backend
+    failures_before = backend.stats.draft_failures
+    killer = threading.Timer(1.5, lambda: ray.kill(backend.draft, no_restart=True))
+    killer.start()
+    outputs = distributed.generate(PROMPTS, GREEDY)
+    killer.join()
+    assert [output.token_ids for output in outputs] == reference
+    assert backend.stats.draft_failures == failures_before + 1
+    # A replacement worker comes back and speculation resumes.
+    deadline = time.monotonic() + 60
+    while not backend._draft_available() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    again = distributed.generate(PROMPTS, GREEDY)
+    assert [output.token_ids for output in again] == reference
+    assert sum(output.metrics.num_accepted_tokens for output in again) > 0
+
+
+def _corrupted_blocks(vocab_size: int):
+    """One block per kind of corruption, for live request ids and upcoming steps."""
+
+    def dense(values: torch.Tensor) -> pb.DraftProbs:
+        return pb.DraftProbs(
+            encoding="fp32",
+            vocab_size=vocab_size,
+            values=pb.Tensor(
+                data=values.numpy().tobytes(), dtype="float32", shape=list(values.shape)
+            ),
+        )
+
+    uniform = torch.full((1, vocab_size), 1.0 / vocab_size)
+    nan = uniform.clone()
+    nan[0, 3] = float("nan")
+    for request in range(4):
+        for step in range(1, 60):
+            common = {"request_id": f"req-{request}", "step": step, "num_committed": 0}
+            yield pb.DraftBlock(**common, token_ids=[5], draft_probs=dense(nan))
+            yield pb.DraftBlock(**common, token_ids=[5, 6], draft_probs=dense(uniform))  # shape
+            yield pb.DraftBlock(**common, token_ids=[5], draft_probs=dense(uniform * 3))  # sum
+            yield pb.DraftBlock(**common, token_ids=[vocab_size + 7], draft_probs=dense(uniform))
+
+
+def test_corrupted_blocks_are_dropped_and_change_nothing(distributed, reference):
+    leader = distributed.backend.leader
+    address = distributed.backend.address
+    vocab_size = distributed.vocab_size
+    before = ray.get(leader.inbox_stats.remote())["invalid"]
+    channel = grpc.insecure_channel(address, options=grpc_options())
+    stub = pb_grpc.VerifierStub(channel)
+    flood = threading.Thread(
+        target=lambda: list(stub.Exchange(iter(list(_corrupted_blocks(vocab_size))))),
+        daemon=True,
+    )
+    flood.start()
+    outputs = distributed.generate(PROMPTS, GREEDY)
+    flood.join(timeout=60)
+    assert [output.token_ids for output in outputs] == reference
+    stats = ray.get(leader.inbox_stats.remote())
+    assert stats["invalid"] > before
+    # An oversized message is refused by gRPC's explicit limit; the server stays up.
+    huge = pb.DraftBlock(request_id="req-0", step=1, token_ids=[1])
+    huge.draft_probs.values.data = b"\0" * (MAX_MESSAGE_BYTES + 1)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Exchange(iter([huge])))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stub.Health(pb.HealthRequest()).status == "SERVING"
+    channel.close()
+    assert [o.token_ids for o in distributed.generate(PROMPTS, GREEDY)] == reference
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny target (2 KV heads: TP = 2 shards them) and a different draft, saved to disk."""
+    folder = tmp_path_factory.mktemp("tiny")
+    target = tiny_llama(5, seed=0, num_attention_heads=2, num_key_value_heads=2)
+    draft = perturbed_copy(target, seed=1, noise=0.5)
+    target.save_pretrained(folder / "target")
+    draft.save_pretrained(folder / "draft")
+    return target, str(folder / "target"), str(folder / "draft")
+
+
+def test_sampling_through_tp2_and_sparse_q_follows_the_target(cluster, tiny_pair):
+    """n = 1500 sequences of length 3, seeds 0..1499, chi-square at ALPHA = 0.001 against the
+    target's exact sequence law; the same samples must be rejected against a wrong law
+    (temperature 0.6), the negative control."""
+    target_model, target_dir, draft_dir = tiny_pair
+    num_samples, length, prompt = 1500, 3, [1, 2, 3, 1]
+    engine = Engine(
+        target_dir,
+        draft=draft_dir,
+        num_speculative_tokens=2,
+        draft_probs_encoding="top2",
+        cluster=cluster[0].address,
+        tp_size=2,
+        max_batch_size=num_samples,
+    )
+    try:
+        params = [
+            SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, seed=seed)
+            for seed in range(num_samples)
+        ]
+        outputs = engine.generate([prompt] * num_samples, params)
+        tp_ranks = [info["num_kv_heads"] for info in engine.backend.target_info]
+    finally:
+        engine.shutdown()
+    assert tp_ranks == [1, 1], "each rank holds half of the 2 KV heads"
+    samples = [tuple(output.token_ids) for output in outputs]
+    exact = exact_sequence_probs(target_model, prompt, params[0], length)
+    fit = chi_square_fit(samples, exact)
+    assert fit.impossible_count == 0 and fit.p_value > ALPHA, fit.describe()
+    assert sum(output.metrics.num_accepted_tokens for output in outputs) > 0
+    wrong = exact_sequence_probs(target_model, prompt, SamplingParams(temperature=0.6), length)
+    assert chi_square_fit(samples, wrong).p_value < ALPHA, "negative control must be rejected"
