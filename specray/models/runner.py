@@ -169,14 +169,20 @@ class ModelRunner:
             self.cache = DynamicCache()  # full-attention layers: slots are ours to crop
         hidden_or_logits = self._run(input_ids, positions, attention_mask, width, num_logits)
         self.valid = valid
-        out: dict[Hashable, torch.Tensor] = {}
+        wanted = []  # (seq_id, row, first column, last column + 1) needing logits
         for row, seq_id in enumerate(self.seq_ids):
             self.lengths[row] += counts[row]
-            if seq_id not in num_logits:
-                continue
-            start = counts[row] - num_logits[seq_id]
-            out[seq_id] = self._logits(hidden_or_logits, row, start, counts[row])
-        return out
+            if seq_id in num_logits:
+                wanted.append((seq_id, row, counts[row] - num_logits[seq_id], counts[row]))
+        if not wanted:
+            return {}
+        # All requested rows through the head in one matmul: the head's weight is read once.
+        selected = torch.cat([hidden_or_logits[row, start:stop] for _, row, start, stop in wanted])
+        logits = self._logits(selected)  # [total rows, vocab]
+        sizes = [stop - start for _, _, start, stop in wanted]
+        return {
+            seq_id: part for (seq_id, *_), part in zip(wanted, logits.split(sizes), strict=True)
+        }
 
     def _run(self, input_ids, positions, attention_mask, width, num_logits):
         if self._decoder is not None:
@@ -195,8 +201,8 @@ class ModelRunner:
             use_cache=True,
         ).logits  # [rows, width, vocab]
 
-    def _logits(self, hidden_or_logits: torch.Tensor, row: int, start: int, stop: int):
-        rows = hidden_or_logits[row, start:stop]  # [n, hidden] or [n, vocab]
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: ``[n, hidden]`` (or already ``[n, vocab]`` without a plain head)."""
         if self._head is None:
             return rows.float()
         if self._head_t is not None and rows.shape[0] == 1:

@@ -177,8 +177,13 @@ def test_sampling_through_tp2_and_sparse_q_follows_the_target(cluster, tiny_pair
         ]
         outputs = engine.generate([prompt] * num_samples, params)
         tp_ranks = [info["num_kv_heads"] for info in engine.backend.target_info]
+        greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        greedy_prompts = [prompt, [4, 0], [2, 2, 2, 3]]
+        greedy_tp2 = [o.token_ids for o in engine.generate(greedy_prompts, greedy)]
     finally:
         engine.shutdown()
+    greedy_tp1 = Engine(target_dir, draft=None).generate(greedy_prompts, greedy)
+    assert greedy_tp2 == [o.token_ids for o in greedy_tp1], "TP=2 greedy == TP=1 greedy"
     assert tp_ranks == [1, 1], "each rank holds half of the 2 KV heads"
     samples = [tuple(output.token_ids) for output in outputs]
     exact = exact_sequence_probs(target_model, prompt, params[0], length)
