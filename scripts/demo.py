@@ -21,7 +21,7 @@ def timed_generate(engine: Engine, params: SamplingParams):
 def main() -> int:
     print("specray demo: target = bundled SmolLM2-135M-Instruct (GGUF, converted once)")
     target_only = Engine("default", draft=None)
-    speculative = Engine("default", draft="default", num_speculative_tokens=4)
+    speculative = Engine("default", draft="default", num_speculative_tokens=8)
     greedy = SamplingParams(temperature=0.0, max_tokens=48)
     reference, reference_s = timed_generate(target_only, greedy)
     output, output_s = timed_generate(speculative, greedy)
@@ -29,7 +29,7 @@ def main() -> int:
     tokens = len(output.token_ids)
     print(f"target-only : {tokens / reference_s:6.2f} tokens/s")
     print(
-        f"speculative : {tokens / output_s:6.2f} tokens/s (draft=self:bf16, k=4), "
+        f"speculative : {tokens / output_s:6.2f} tokens/s (draft=self:bf16, k=8), "
         f"acceptance {output.metrics.acceptance_rate:.2f}, "
         f"mean accepted length {output.metrics.mean_acceptance_length:.2f}"
     )
