@@ -339,6 +339,9 @@ def run_distributed_bench(config: BenchConfig) -> dict:
     _log("in-process reference, draft=default")
     k = dict(config.k)["default"]
     local = Engine(config.target, draft="default", num_speculative_tokens=k)
+    # A draft worker on another node cannot adopt the target's prompt cache; for a like-for-like
+    # tax the in-process draft prefills itself too.
+    local.drafter.shares_target_architecture = False
     local.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))
     costs = measure_verify_ratio(local, local.encode_prompt(prompts[0]), k)
     in_process = _run_specray(local, prompts, params)
