@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import resources
 
 import torch
 
-from specray.engine import Engine
+from specray.engine import Engine, EngineTiming
 from specray.outputs import SpecDecodeMetrics
 from specray.sampling import SamplingParams
 
@@ -111,7 +112,7 @@ def measure_verify_ratio(engine: Engine, prompt_ids: list[int], k: int, repeats:
 
 
 def _run_specray(engine: Engine, prompts: list[str], params: SamplingParams) -> dict:
-    engine.timing.__init__()  # reset the phase counters
+    engine.timing = EngineTiming()  # reset the phase counters
     metrics, tokens, outputs = SpecDecodeMetrics(), 0, []
     started = time.perf_counter()
     for prompt in prompts:
@@ -220,8 +221,7 @@ def run_bench(config: BenchConfig) -> dict:
             for variant, extra in _assisted_variants(drafter, k, engine):
                 name = f"transformers assisted draft={drafter} {variant}"
                 _log(name)
-                extra = extra() if callable(extra) else extra  # configure just before the run
-                hf = _run_transformers(model, prompt_ids, config.max_tokens, **extra)
+                hf = _run_transformers(model, prompt_ids, config.max_tokens, **extra())
                 hf_rows.append(_row(name, hf, baseline["tokens_per_s"], reference))
             rows.extend(hf_rows)
             fastest = max(hf_row["tokens_per_s"] for hf_row in hf_rows)
@@ -259,12 +259,13 @@ def run_bench(config: BenchConfig) -> dict:
     }
 
 
-def _assisted_variants(drafter: str, k: int, engine: Engine) -> list[tuple[str, dict]]:
+def _assisted_variants(drafter: str, k: int, engine: Engine) -> list[tuple[str, Callable]]:
     """transformers' assisted generation with the same drafter: at the same k, and (for a draft
     model) with transformers' own defaults (k starts at 20, heuristic schedule, early exit
-    below 0.4 confidence). The assistant's k lives in *its* generation config."""
+    below 0.4 confidence). The assistant's k lives in *its* generation config, so each variant is
+    a function that configures it just before its run and returns generate()'s extra kwargs."""
     if drafter == "ngram":
-        return [(f"k={k}", {"prompt_lookup_num_tokens": k})]
+        return [(f"k={k}", lambda: {"prompt_lookup_num_tokens": k})]
     assistant = engine.drafter.runner.model
     settings = assistant.generation_config
 
