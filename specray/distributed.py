@@ -1,11 +1,9 @@
-"""The distributed backend: the same rounds as the in-process engine, across Ray actors.
+"""The distributed workers: one target group (TP ranks on one target node) and a pool of draft
+workers on draft nodes, as Ray actors; plus the async adapters the coordinator drives them by.
 
-The driver (the Engine in the caller's process) holds every request's committed tokens — the
-source of truth. Each round it asks the draft worker to draft (blocks with their q go straight
-to the target over gRPC) and asks the target group's rank 0 to verify (it waits for the blocks
-up to a deadline, then verifies whatever arrived; a missing, late or invalid block makes that
-request's round target-only). A dead draft worker never blocks a request: the driver continues
-target-only and resumes speculation once a replacement worker is ready.
+Draft workers stream blocks with their q straight to the target group's rank 0 over gRPC; the
+coordinator only tells each side which requests to work on (:mod:`specray.cluster.coordinator`).
+A failed draft worker is replaced in the background while its requests run target-only.
 """
 
 from __future__ import annotations
@@ -13,16 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 from specray.cluster.placement import PlacementConfig
-from specray.core import RequestState
 
 log = logging.getLogger(__name__)
 DEFAULT_DRAFT_DEADLINE_S = 5.0  # how long the target waits for a block before going alone
-DRAFT_RETURN_WAIT_S = 1.0  # after its blocks arrived, the propose call returns within this
 LOCAL_NODE_RESOURCES = 8.0  # draft / target units an embedded one-node cluster advertises
+DRAFT_WORKER_CONCURRENCY = 4  # a waiting call must be able to arrive to stop a draft-ahead
 
 
 def connect(cluster: str, placement: PlacementConfig) -> None:
@@ -45,25 +40,18 @@ def connect(cluster: str, placement: PlacementConfig) -> None:
         ray.init(address=cluster, log_to_driver=False)
 
 
-@dataclass
-class RoundStats:
-    rounds: int = 0
-    draft_bytes: int = 0
-    dropped_blocks: int = 0
-    draft_failures: int = 0
-    draft_restarts: int = 0
-
-
 class DistributedBackend:
+    """Starts and owns the actors: ``target_ranks`` (rank 0 = ``leader``) and ``drafts``."""
+
     def __init__(
         self,
         target: str,
         draft: str | None,
         *,
         tp_size: int = 1,
+        num_draft_workers: int = 1,
         draft_probs_encoding: str = "fp32",
         placement: PlacementConfig | None = None,
-        draft_deadline_s: float = DEFAULT_DRAFT_DEADLINE_S,
     ):
         import ray
         from ray.util.placement_group import placement_group
@@ -74,22 +62,21 @@ class DistributedBackend:
 
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
-        if not draft_deadline_s > 0:
-            raise ValueError(f"draft_deadline_s must be > 0, got {draft_deadline_s!r}")
+        if isinstance(num_draft_workers, bool) or not isinstance(num_draft_workers, int):
+            raise ValueError(f"num_draft_workers must be an integer, got {num_draft_workers!r}")
+        if num_draft_workers < 1:
+            raise ValueError(f"num_draft_workers must be >= 1, got {num_draft_workers}")
         self.placement = placement or PlacementConfig()
-        self.draft_deadline_s = draft_deadline_s
-        self.stats = RoundStats()
         self._target_spec, self._draft_spec = target, draft
         self._encoding = draft_probs_encoding
         self._group = placement_group(self.placement.target_bundles(tp_size), "STRICT_PACK")
         ray.get(self._group.ready(), timeout=120)
         init_method = f"file:///tmp/specray-tp-{uuid.uuid4().hex}"
-        worker = ray.remote(TargetWorker)
+        worker = ray.remote(concurrency_groups=TargetWorker.CONCURRENCY_GROUPS)(TargetWorker)
         self.target_ranks = [
             worker.options(
                 num_cpus=self.placement.target_num_cpus,
                 resources={self.placement.target_resource: 1.0},
-                max_concurrency=2,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, rank),
             ).remote(target, rank, tp_size, init_method, self.placement.num_threads)
             for rank in range(tp_size)
@@ -99,106 +86,50 @@ class DistributedBackend:
         self.leader = self.target_ranks[0]
         self.address = self.target_info[0]["address"]
         self._draft_class = ray.remote(DraftWorker)
-        self.draft = None
-        self._draft_ready = None  # a pending start of a (replacement) draft worker
-        self._draft_inflight = None
+        self.drafts: list = []
+        self._ready: list = []  # per worker: a pending start, or None once ready
+        self.draft_restarts = 0
         if draft is not None:
-            self._start_draft()
-            ray.get(self._draft_ready)  # the first worker is waited for; replacements are not
-            self._draft_ready = None
+            for _ in range(num_draft_workers):
+                self.drafts.append(None)
+                self._ready.append(None)
+                self._start_draft(len(self.drafts) - 1)
+            ray.get(self._ready)  # the first workers are waited for; replacements are not
+            self._ready = [None] * num_draft_workers
 
-    def _start_draft(self) -> None:
-        self.draft = self._draft_class.options(**self.placement.draft_options()).remote(
+    def _start_draft(self, index: int) -> None:
+        options = self.placement.draft_options() | {"max_concurrency": DRAFT_WORKER_CONCURRENCY}
+        actor = self._draft_class.options(**options).remote(
             self._target_spec, self._draft_spec, self._encoding, self.placement.num_threads
         )
-        self._draft_ready = self.draft.connect.remote(self.address)
+        self.drafts[index] = actor
+        self._ready[index] = actor.connect.remote(self.address)
 
-    def _draft_available(self) -> bool:
-        """True when a draft worker can take work; finishes a pending replacement start."""
+    def draft_available(self, index: int) -> bool:
+        """True when the worker can take work; finishes a pending replacement start."""
         import ray
 
-        if self.draft is None:
+        pending = self._ready[index]
+        if pending is None:
+            return True
+        done, _ = ray.wait([pending], timeout=0)
+        if not done:
             return False
-        if self._draft_ready is not None:
-            done, _ = ray.wait([self._draft_ready], timeout=0)
-            if not done:
-                return False
-            try:
-                ray.get(self._draft_ready)
-            except ray.exceptions.RayError as error:
-                log.warning("replacement draft worker failed to start: %s", error)
-                self._start_draft()
-                return False
-            self._draft_ready = None
+        try:
+            ray.get(pending)
+        except ray.exceptions.RayError as error:
+            log.warning("replacement draft worker failed to start: %s", error)
+            self._start_draft(index)
+            return False
+        self._ready[index] = None
         return True
 
-    def _draft_failed(self, error: Exception) -> None:
+    def replace_draft(self, index: int) -> None:
         import ray
 
-        log.warning("draft worker failed (%s); continuing target-only", type(error).__name__)
-        self.stats.draft_failures += 1
-        self.stats.draft_restarts += 1
-        ray.kill(self.draft, no_restart=True)
-        self._start_draft()
-
-    def run_round(self, requests: Sequence[RequestState], num_speculative_tokens: int) -> None:
-        """One round for ``requests``: commit tokens and record metrics in place."""
-        import ray
-
-        self.stats.rounds += 1
-        step = self.stats.rounds
-        self._collect_draft_result(timeout_s=0)
-        use_draft = num_speculative_tokens > 0 and self._draft_inflight is None
-        use_draft = use_draft and self._draft_available()
-        target_spec, draft_spec = [], []
-        for request in requests:
-            k = min(num_speculative_tokens, request.remaining - 1) if use_draft else 0
-            base = request.to_spec() | {"step": step}
-            target_spec.append(
-                base | {"num_committed": len(request.output_token_ids), "expect_draft": k > 0}
-            )
-            if k > 0:
-                draft_spec.append(base | {"k": k})
-        if draft_spec:
-            self._draft_inflight = self.draft.propose.remote(draft_spec)
-        results = ray.get(self.leader.verify_round.remote(target_spec, self.draft_deadline_s))
-        # Blocks all arrived: the propose call is returning now, wait for it briefly. A block
-        # missed the deadline: the draft is slow or gone, do not wait for it.
-        late = any(result["dropped_reason"].startswith("deadline") for result in results)
-        self._collect_draft_result(timeout_s=0 if late else DRAFT_RETURN_WAIT_S)
-        finished = []
-        for request, result in zip(requests, results, strict=True):
-            request.metrics.record(result["num_draft_tokens"], result["num_accepted"])
-            request.commit(result["token_ids"])
-            if result["dropped_reason"]:
-                self.stats.dropped_blocks += 1
-            if request.finish_reason != result["finish_reason"]:
-                raise RuntimeError(f"driver and target disagree on {request.request_id}'s end")
-            if request.finish_reason:
-                finished.append(request.request_id)
-        if finished and self.draft is not None and self._draft_ready is None:
-            self.draft.release.remote(finished)
-
-    def _collect_draft_result(self, timeout_s: float) -> None:
-        import ray
-
-        if self._draft_inflight is None:
-            return
-        done, _ = ray.wait([self._draft_inflight], timeout=timeout_s)
-        if not done:
-            return
-        reference, self._draft_inflight = self._draft_inflight, None
-        try:
-            self.stats.draft_bytes += ray.get(reference)["bytes"]
-        except ray.exceptions.RayError as error:
-            self._draft_failed(error)
-
-    def release(self, request_ids: list[str]) -> None:
-        """Free requests that ended without finishing (errors, cancellation)."""
-        if request_ids:
-            self.leader.release.remote(request_ids)
-            if self.draft is not None:
-                self.draft.release.remote(request_ids)
+        self.draft_restarts += 1
+        ray.kill(self.drafts[index], no_restart=True)
+        self._start_draft(index)
 
     def shutdown(self) -> None:
         import ray
@@ -209,7 +140,7 @@ class DistributedBackend:
             ray.get(self._followers, timeout=30)
         except ray.exceptions.RayError:
             pass
-        for actor in [*self.target_ranks, *([self.draft] if self.draft else [])]:
+        for actor in [*self.target_ranks, *self.drafts]:
             ray.kill(actor)
         remove_placement_group(self._group)
 
@@ -217,6 +148,45 @@ class DistributedBackend:
         import ray
 
         report = {"target": [info["node_id"] for info in self.target_info]}
-        if self.draft is not None:
-            report["draft"] = ray.get(self.draft.node_id.remote())
+        if self.drafts:
+            report["draft"] = ray.get(self.drafts[0].node_id.remote())
         return report
+
+
+class RayTargetBackend:
+    """The coordinator's view of a target group: rank 0's calls, awaited on the event loop."""
+
+    def __init__(self, backend: DistributedBackend):
+        self.backend = backend
+
+    async def verify(self, items: list[dict], draft_deadline_s: float) -> dict:
+        return await self.backend.leader.verify_round.remote(items, draft_deadline_s)
+
+    async def release(self, request_ids: list[str]) -> None:
+        await self.backend.leader.release.remote(request_ids)
+
+    async def held_requests(self) -> list[str]:
+        return await self.backend.leader.held_requests.remote()
+
+
+class RayDraftBackend:
+    """The coordinator's view of the draft pool."""
+
+    def __init__(self, backend: DistributedBackend):
+        self.backend = backend
+        self.num_workers = len(backend.drafts)
+
+    def available(self, worker: int) -> bool:
+        return self.backend.draft_available(worker)
+
+    async def propose(self, worker: int, items: list[dict], draft_ahead: bool) -> dict:
+        return await self.backend.drafts[worker].propose.remote(items, draft_ahead)
+
+    async def release(self, worker: int, request_ids: list[str]) -> None:
+        await self.backend.drafts[worker].release.remote(request_ids)
+
+    async def replace(self, worker: int) -> None:
+        self.backend.replace_draft(worker)
+
+    async def held_requests(self, worker: int) -> list[str]:
+        return await self.backend.drafts[worker].held_requests.remote()

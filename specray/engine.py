@@ -14,9 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
+from specray.cluster.coordinator import Coordinator, CoordinatorConfig
+from specray.cluster.local import CoordinatorThread
 from specray.cluster.placement import PlacementConfig
 from specray.core import Block, RequestState, TargetCore, eos_token_ids
-from specray.distributed import DEFAULT_DRAFT_DEADLINE_S, DistributedBackend, connect
+from specray.distributed import (
+    DEFAULT_DRAFT_DEADLINE_S,
+    DistributedBackend,
+    RayDraftBackend,
+    RayTargetBackend,
+    connect,
+)
 from specray.drafters import Drafter, DraftRequest, make_drafter
 from specray.models.loading import LoadedModel, load_model, load_model_info
 from specray.models.runner import ModelRunner
@@ -59,6 +67,8 @@ class Engine:
     cluster: ``None`` runs in this process; ``"auto"`` runs draft and target as Ray actors that
         exchange blocks over gRPC on an embedded local Ray; an address joins an existing cluster.
     tp_size: tensor-parallel ranks of the target group (distributed only).
+    coordinator: scheduling of the distributed path (micro-batches, adaptive k, draft-ahead);
+        by default plain rounds with a fixed k, like the in-process engine.
     """
 
     def __init__(
@@ -74,6 +84,8 @@ class Engine:
         tp_size: int = 1,
         placement: PlacementConfig | None = None,
         draft_deadline_s: float = DEFAULT_DRAFT_DEADLINE_S,
+        num_draft_workers: int = 1,
+        coordinator: CoordinatorConfig | None = None,
     ):
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
             raise EngineInputError(
@@ -93,17 +105,21 @@ class Engine:
         self.timing = EngineTiming()
         self._ids = itertools.count()
         self.backend: DistributedBackend | None = None
+        self.runner: CoordinatorThread | None = None
         if cluster is not None:
-            self._init_distributed(
-                target,
-                draft,
-                num_speculative_tokens,
-                cluster,
-                tp_size,
-                draft_probs_encoding,
-                placement,
-                draft_deadline_s,
+            config = coordinator or CoordinatorConfig(
+                max_running=max_batch_size,
+                max_queue=1 << 20,  # generate() submits every prompt at once
+                num_micro_batches=1,
+                num_speculative_tokens=num_speculative_tokens,
+                adaptive_k=False,
+                draft_ahead=False,
+                draft_deadline_s=draft_deadline_s,
             )
+            self._init_distributed(
+                target, draft, cluster, tp_size, draft_probs_encoding, placement,
+                num_draft_workers, config,
+            )  # fmt: skip
             return
         if tp_size != 1:
             raise EngineInputError(f"tp_size={tp_size} needs a cluster (cluster='auto')")
@@ -132,15 +148,7 @@ class Engine:
         self.num_speculative_tokens = num_speculative_tokens if self.drafter else 0
 
     def _init_distributed(
-        self,
-        target,
-        draft,
-        num_speculative_tokens,
-        cluster,
-        tp_size,
-        encoding,
-        placement,
-        draft_deadline_s,
+        self, target, draft, cluster, tp_size, encoding, placement, num_draft_workers, config
     ) -> None:
         if not isinstance(target, str):
             raise EngineInputError("a distributed engine needs target as a path or 'default'")
@@ -154,20 +162,37 @@ class Engine:
         self.max_positions = info.max_positions
         self.eos_token_ids = info.eos_token_ids
         self.drafter = None
-        self.num_speculative_tokens = num_speculative_tokens if draft is not None else 0
+        self.num_speculative_tokens = config.num_speculative_tokens if draft is not None else 0
         placement = placement or PlacementConfig()
         connect(cluster, placement)
-        self.backend = DistributedBackend(
+        backend = DistributedBackend(
             target,
             draft,
             tp_size=tp_size,
+            num_draft_workers=num_draft_workers,
             draft_probs_encoding=encoding,
             placement=placement,
-            draft_deadline_s=draft_deadline_s,
         )
+        self.backend = backend
+
+        def make_coordinator() -> Coordinator:
+            return Coordinator(
+                RayTargetBackend(backend),
+                RayDraftBackend(backend) if backend.drafts else None,
+                config,
+                vocab_size=info.vocab_size,
+                eos_token_ids=info.eos_token_ids,
+                max_positions=info.max_positions,
+                tokenizer=info.tokenizer,
+            )
+
+        self.runner = CoordinatorThread(make_coordinator)
 
     def shutdown(self) -> None:
         """Stop the distributed workers (no-op in process)."""
+        if self.runner is not None:
+            self.runner.stop(drain=False)
+            self.runner = None
         if self.backend is not None:
             self.backend.shutdown()
             self.backend = None
@@ -199,6 +224,13 @@ class Engine:
         return token_ids
 
     def _make_request(self, index: int, prompt, params: SamplingParams, use_chat_template: bool):
+        token_ids = self._encode_checked(index, prompt, params, use_chat_template)
+        seed = params.seed if params.seed is not None else random_seed()
+        return RequestState.create(
+            f"req-{next(self._ids)}", token_ids, params, seed, self.vocab_size, self.eos_token_ids
+        )
+
+    def _encode_checked(self, index: int, prompt, params, use_chat_template: bool) -> list[int]:
         if not isinstance(params, SamplingParams):
             raise EngineInputError(f"params must be SamplingParams, got {params!r}")
         token_ids = self.encode_prompt(prompt, use_chat_template=use_chat_template)
@@ -209,10 +241,7 @@ class Engine:
                 f"max_tokens={params.max_tokens} plus the {len(token_ids)}-token prompt exceeds "
                 f"the model's {self.max_positions} positions"
             )
-        seed = params.seed if params.seed is not None else random_seed()
-        return RequestState.create(
-            f"req-{next(self._ids)}", token_ids, params, seed, self.vocab_size, self.eos_token_ids
-        )
+        return token_ids
 
     # ---- generation --------------------------------------------------------------------
     def generate(
@@ -237,6 +266,12 @@ class Engine:
                 f"params must be one SamplingParams or one per prompt ({len(prompts)}), "
                 f"got {len(params)}"
             )
+        if self.runner is not None:
+            ids = [
+                self._encode_checked(index, prompt, request_params, use_chat_template)
+                for index, (prompt, request_params) in enumerate(zip(prompts, params, strict=True))
+            ]
+            return self.runner.generate(ids, params)
         requests = [
             self._make_request(index, prompt, request_params, use_chat_template)
             for index, (prompt, request_params) in enumerate(zip(prompts, params, strict=True))
@@ -259,16 +294,11 @@ class Engine:
         return [self._output(request) for request in requests]
 
     def _release(self, request_ids: list[Hashable]) -> None:
-        if self.backend is not None:
-            self.backend.release(request_ids)
-            return
         self.core.release(request_ids)
         if self.drafter is not None:
             self.drafter.release(request_ids)
 
     def _prefill(self, requests: list[RequestState]) -> None:
-        if self.backend is not None:  # the target prefills new requests in their first round
-            return
         started = time.perf_counter()
         self.core.prefill(requests)
         if getattr(self.drafter, "shares_target_architecture", False):
@@ -276,9 +306,6 @@ class Engine:
         self.timing.prefill_s += time.perf_counter() - started
 
     def _round(self, requests: list[RequestState]) -> None:
-        if self.backend is not None:
-            self.backend.run_round(requests, self.num_speculative_tokens)
-            return
         started = time.perf_counter()
         blocks = self._draft(requests)
         drafted = time.perf_counter()

@@ -64,6 +64,10 @@ class RequestOutput:
     finish_reason: str  # "stop" (end-of-sequence or stop token) | "length" (max_tokens)
     seed: int  # the seed the request ran with (chosen by the engine when none was given)
     metrics: SpecDecodeMetrics
+    # Served requests (the coordinator) also carry their latency.
+    time_to_first_token_s: float | None = None
+    latency_s: float | None = None  # arrival to the last token
+    chunk_gaps_s: list[float] = field(default_factory=list)  # between streamed chunks
 
     def to_dict(self) -> dict:
         return {
@@ -73,4 +77,8 @@ class RequestOutput:
             "finish_reason": self.finish_reason,
             "seed": self.seed,
             "metrics": self.metrics.to_dict(),
-        }
+        } | (
+            {"time_to_first_token_s": self.time_to_first_token_s, "latency_s": self.latency_s}
+            if self.latency_s is not None
+            else {}
+        )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -17,10 +19,16 @@ from specray.core import RequestState
 from specray.drafters import DraftRequest, make_drafter
 from specray.models.loading import LoadedModel, load_tokenizer, resolve_model_dir
 from specray.rpc.messages import block_to_pb, grpc_options
-from specray.sampling import DraftProbsEncoding
+from specray.sampling import DraftProbsEncoding, EncodedDraftProbs, stack_rows
 from specray.v1 import speculation_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Drafted:
+    token_id: int
+    encoded: EncodedDraftProbs  # [1, ...]: the q row it was sampled from, in wire form
 
 
 class DraftWorker:
@@ -45,6 +53,14 @@ class DraftWorker:
         )
         self.vocab_size = config_vocab
         self.requests: dict[str, RequestState] = {}
+        # Tokens drafted past the committed ones (the last block and drafts made ahead), with
+        # the exact encoded q each was sampled from, and the committed count they start at.
+        self.speculated: dict[str, list[_Drafted]] = {}
+        self._spec_base: dict[str, int] = {}
+        self._verdict_step: dict[str, int] = {}  # latest verdict seen per request
+        self._lock = threading.Lock()  # one drafting call at a time
+        self._queue_lock = threading.Lock()
+        self._calls_waiting = 0  # calls blocked on _lock: draft-ahead yields to them
         self._target_address: str | None = None
         self._outbox: queue.Queue | None = None
         self.verdicts_received = 0
@@ -62,8 +78,10 @@ class DraftWorker:
 
         def read_verdicts() -> None:
             try:
-                for _verdict in responses:
+                for verdict in responses:
                     self.verdicts_received += 1
+                    previous = self._verdict_step.get(verdict.request_id, -1)
+                    self._verdict_step[verdict.request_id] = max(previous, verdict.step)
             except grpc.RpcError as error:
                 log.warning("draft stream to %s closed: %s", self._target_address, error.code())
             finally:
@@ -74,49 +92,158 @@ class DraftWorker:
         self._outbox = outbox
 
     # ---- drafting ----------------------------------------------------------------------
-    def propose(self, round_spec: list[dict]) -> dict:
+    def propose(self, round_spec: list[dict], draft_ahead: bool = False) -> dict:
         """Draft for each request and stream the blocks to the target.
 
-        Each item: ``request_id``, ``step``, ``output_token_ids`` (committed so far), ``k``,
-        and on first sight ``prompt_token_ids``, ``params``, ``seed``.
+        Each item: ``request_id``, ``step``, ``k``, ``num_committed`` and ``new_token_ids``
+        (committed tokens this worker has not seen; all of them on first sight, with
+        ``prompt_token_ids``, ``params``, ``seed``). With ``draft_ahead``, after sending, the
+        worker keeps drafting past each block (as if it were fully accepted and the bonus token
+        were its own next draft) until the verdict arrives, another call is waiting, or k + 1
+        tokens are ahead. The next call keeps the drafts whose assumed history was committed.
         """
-        if self._outbox is None:
-            self._open_stream()
-        asks = []
-        for item in round_spec:
-            state = self.requests.get(item["request_id"])
-            if state is None:
-                state = RequestState.from_spec(item, self.vocab_size, frozenset())
-                self.requests[state.request_id] = state
-            state.output_token_ids = list(item["output_token_ids"])
-            asks.append(
-                DraftRequest(
+        with self._queue_lock:
+            self._calls_waiting += 1
+        with self._lock:
+            with self._queue_lock:
+                self._calls_waiting -= 1
+            started = time.perf_counter()
+            if self._outbox is None:
+                self._open_stream()
+            states = [self._sync_state(item) for item in round_spec]
+            reused = [
+                self._reusable(state, item["k"])
+                for state, item in zip(states, round_spec, strict=True)
+            ]
+            steps = self._extend(states, [item["k"] for item in round_spec])
+            sent_bytes = 0
+            for item, state in zip(round_spec, states, strict=True):
+                block = self.speculated[state.request_id][: item["k"]]
+                message = block_to_pb(
                     state.request_id,
-                    state.prompt_token_ids,
-                    state.output_token_ids,
-                    state.pipeline,
-                    state.random,
-                    item["k"],
+                    item["step"],
+                    len(state.output_token_ids),
+                    [entry.token_id for entry in block],
+                    stack_rows([entry.encoded for entry in block]) if block else None,
                 )
+                sent_bytes += message.ByteSize()
+                self._outbox.put(message)
+            ahead = 0
+            if draft_ahead:
+                ahead, ahead_steps = self._draft_ahead(round_spec, states)
+                steps += ahead_steps
+            self.bytes_sent += sent_bytes
+            return {
+                "num_requests": len(states),
+                "bytes": sent_bytes,
+                "draft_s": time.perf_counter() - started,
+                "steps": steps,
+                "reused_tokens": sum(
+                    min(len(r), item["k"]) for r, item in zip(reused, round_spec, strict=True)
+                ),
+                "ahead_tokens": ahead,
+            }
+
+    def _sync_state(self, item: dict) -> RequestState:
+        state = self.requests.get(item["request_id"])
+        if state is None:
+            if "prompt_token_ids" not in item:
+                raise ValueError(f"draft worker has no state for request {item['request_id']}")
+            state = RequestState.from_spec(
+                item | {"output_token_ids": []}, self.vocab_size, frozenset()
             )
-        sent_bytes = 0
-        for item, ask, block in zip(round_spec, asks, self.drafter.propose(asks), strict=True):
-            message = block_to_pb(
-                ask.request_id,
-                item["step"],
-                len(ask.output_token_ids),
-                block.token_ids,
-                block.encoded,
+            self.requests[state.request_id] = state
+            self.speculated[state.request_id] = []
+            self._spec_base[state.request_id] = 0
+        state.output_token_ids.extend(item["new_token_ids"])
+        if len(state.output_token_ids) != item["num_committed"]:
+            raise ValueError(
+                f"request {state.request_id}: the draft has {len(state.output_token_ids)} "
+                f"committed tokens, the coordinator says {item['num_committed']}"
             )
-            sent_bytes += message.ByteSize()
-            self._outbox.put(message)
-        self.bytes_sent += sent_bytes
-        return {"num_requests": len(asks), "bytes": sent_bytes}
+        return state
+
+    def _reusable(self, state: RequestState, k: int) -> list:
+        """Drafts made earlier whose assumed history is now committed (they are kept)."""
+        request_id = state.request_id
+        base, speculated = self._spec_base[request_id], self.speculated[request_id]
+        committed_since = state.output_token_ids[base:]
+        assumed = [entry.token_id for entry in speculated[: len(committed_since)]]
+        if len(committed_since) > len(speculated) or assumed != committed_since:
+            speculated = []
+        else:
+            speculated = speculated[len(committed_since) :]
+        self.speculated[request_id] = speculated
+        self._spec_base[request_id] = len(state.output_token_ids)
+        return speculated
+
+    def _extend(self, states: list[RequestState], targets: list[int]) -> int:
+        """Draft until each request has ``targets[i]`` tokens speculated; returns the steps."""
+        steps = 0
+        while True:
+            asks = [
+                (state, target - len(self.speculated[state.request_id]))
+                for state, target in zip(states, targets, strict=True)
+                if len(self.speculated[state.request_id]) < target
+            ]
+            if not asks:
+                return steps
+            requests = [self._draft_request(state, missing) for state, missing in asks]
+            for (state, _), block in zip(asks, self.drafter.propose(requests), strict=True):
+                self.speculated[state.request_id].extend(
+                    _Drafted(token, block.encoded.row(index))
+                    for index, token in enumerate(block.token_ids)
+                )
+                if not block.token_ids:  # the drafter has nothing more to say
+                    targets[states.index(state)] = len(self.speculated[state.request_id])
+            steps += max(missing for _, missing in asks)
+
+    def _draft_ahead(self, round_spec: list[dict], states: list[RequestState]) -> tuple[int, int]:
+        """Draft one token at a time past the blocks while nothing else is waiting."""
+        drafted = steps = 0
+        while not self._calls_waiting:
+            open_ = [
+                state
+                for item, state in zip(round_spec, states, strict=True)
+                if self._verdict_step.get(state.request_id, -1) < item["step"]
+                and len(self.speculated[state.request_id]) < 2 * item["k"] + 1
+            ]
+            if not open_:
+                break
+            targets = [len(self.speculated[state.request_id]) + 1 for state in open_]
+            before = sum(len(self.speculated[state.request_id]) for state in open_)
+            steps += self._extend(open_, targets)
+            added = sum(len(self.speculated[state.request_id]) for state in open_) - before
+            if not added:
+                break
+            drafted += added
+        return drafted, steps
+
+    def _draft_request(self, state: RequestState, num_tokens: int) -> DraftRequest:
+        history = [*state.output_token_ids, *self._tokens(state.request_id)]
+        return DraftRequest(
+            state.request_id,
+            state.prompt_token_ids,
+            history,
+            state.pipeline,
+            state.random,
+            num_tokens,
+        )
+
+    def _tokens(self, request_id: str) -> list[int]:
+        return [entry.token_id for entry in self.speculated[request_id]]
 
     def release(self, request_ids: list[str]) -> None:
-        self.drafter.release(request_ids)
-        for request_id in request_ids:
-            self.requests.pop(request_id, None)
+        with self._lock:
+            self.drafter.release(request_ids)
+            for request_id in request_ids:
+                self.requests.pop(request_id, None)
+                self.speculated.pop(request_id, None)
+                self._spec_base.pop(request_id, None)
+                self._verdict_step.pop(request_id, None)
+
+    def held_requests(self) -> list[str]:
+        return sorted(self.requests)
 
     def node_id(self) -> str:
         import ray

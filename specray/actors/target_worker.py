@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from typing import ClassVar
 
+import ray
 import torch
 
 from specray.core import RequestState, TargetCore, eos_token_ids
@@ -27,7 +29,6 @@ log = logging.getLogger(__name__)
 
 def node_ip() -> str:
     """This node's address on the cluster network (loopback on a one-machine cluster)."""
-    import ray
 
     try:
         return ray.util.get_node_ip_address()
@@ -36,6 +37,12 @@ def node_ip() -> str:
 
 
 class TargetWorker:
+    """Calls in the default group (verify_round, release, stop) run one at a time, in the order
+    they were sent: rounds of different micro-batches queue here while the draft works.
+    Read-only calls and a follower's loop run in the ``control`` group."""
+
+    CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {"control": 2}
+
     def __init__(
         self,
         target: str,
@@ -66,8 +73,8 @@ class TargetWorker:
             )
             self.address = f"{node_ip()}:{port_address.rsplit(':', 1)[1]}"
 
+    @ray.method(concurrency_group="control")
     def info(self) -> dict:
-        import ray
 
         return {
             "rank": self.rank,
@@ -79,20 +86,23 @@ class TargetWorker:
         }
 
     # ---- followers (rank > 0) ----------------------------------------------------------
+    @ray.method(concurrency_group="control")
     def follow(self) -> int:
         from specray.actors.tp_group import follow
 
         return follow(self.runner)
 
     # ---- leader (rank 0) ---------------------------------------------------------------
-    def verify_round(self, round_spec: list[dict], draft_deadline_s: float) -> list[dict]:
+    def verify_round(self, round_spec: list[dict], draft_deadline_s: float) -> dict:
         """Run one round for the given requests; wait up to the deadline for their blocks.
 
         Each item: ``request_id``, ``step``, ``num_committed``, ``expect_draft``, and on a
         request's first round (or to replay after a restart) ``prompt_token_ids``, ``params``,
         ``seed`` and ``output_token_ids``. Returns per request the committed tokens, counts and
-        finish reason, plus why a block was dropped (if it was).
+        finish reason, plus why a block was dropped (if it was); and the round's timing:
+        ``wait_s`` (waiting for blocks), ``compute_s`` (forward and verification), ``service_s``.
         """
+        entered = time.perf_counter()
         fresh = [item for item in round_spec if item["request_id"] not in self.requests]
         for item in fresh:
             state = RequestState.from_spec(item, self.vocab_size, self.eos_token_ids)
@@ -109,7 +119,9 @@ class TargetWorker:
                     f"tokens here, the caller says {item['num_committed']}"
                 )
         keys = [(item["request_id"], item["step"]) for item in round_spec if item["expect_draft"]]
+        waited = time.perf_counter()
         arrived = self.inbox.take(keys, time.monotonic() + draft_deadline_s) if keys else {}
+        wait_s = time.perf_counter() - waited
         blocks, dropped = {}, {}
         for key, value in arrived.items():
             if isinstance(value, str):
@@ -147,7 +159,13 @@ class TargetWorker:
             )
             if state.finish_reason:
                 self.release([state.request_id])
-        return results
+        service_s = time.perf_counter() - entered
+        return {
+            "results": results,
+            "wait_s": wait_s,
+            "compute_s": service_s - wait_s,
+            "service_s": service_s,
+        }
 
     @staticmethod
     def _replay_view(state: RequestState) -> RequestState:
@@ -167,6 +185,12 @@ class TargetWorker:
             del self.requests[request_id]
             self.inbox.forget(request_id)
 
+    @ray.method(concurrency_group="control")
+    def held_requests(self) -> list[str]:
+        """Requests with state here (KV cache rows and mirrored state): for leak checks."""
+        return sorted(set(self.requests) | {str(seq_id) for seq_id in self.runner.seq_ids})
+
+    @ray.method(concurrency_group="control")
     def inbox_stats(self) -> dict:
         return dict(self.inbox.stats.__dict__)
 

@@ -14,29 +14,17 @@ import grpc
 import pytest
 import ray
 import torch
-from ray.cluster_utils import Cluster
 
 from specray import Engine, SamplingParams
 from specray.rpc.messages import MAX_MESSAGE_BYTES, grpc_options
 from specray.v1 import speculation_pb2 as pb
 from specray.v1 import speculation_pb2_grpc as pb_grpc
-from tests.helpers.tiny_models import exact_sequence_probs, perturbed_copy, tiny_llama
+from tests.helpers.tiny_models import exact_sequence_probs
 from tests.statistical.test_engine_distribution import chi_square_fit
 
 PROMPTS = ["Write a haiku about the sea.", "Name three primary colors."]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 ALPHA = 0.001  # significance level of the statistical test
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    draft_node = cluster.add_node(num_cpus=2, resources={"draft": 4})
-    target_node = cluster.add_node(num_cpus=2, resources={"target": 4})
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster, draft_node, target_node
-    ray.shutdown()
-    cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -76,16 +64,17 @@ def test_greedy_distributed_equals_in_process_and_target_only(distributed, refer
 
 def test_killing_the_draft_worker_mid_generation_loses_nothing(distributed, reference):
     backend = distributed.backend
-    failures_before = backend.stats.draft_failures
-    killer = threading.Timer(1.5, lambda: ray.kill(backend.draft, no_restart=True))
+    stats = distributed.runner.coordinator.stats
+    failures_before = stats.draft_failures
+    killer = threading.Timer(1.5, lambda: ray.kill(backend.drafts[0], no_restart=True))
     killer.start()
     outputs = distributed.generate(PROMPTS, GREEDY)
     killer.join()
     assert [output.token_ids for output in outputs] == reference
-    assert backend.stats.draft_failures == failures_before + 1
+    assert stats.draft_failures == failures_before + 1
     # A replacement worker comes back and speculation resumes.
     deadline = time.monotonic() + 60
-    while not backend._draft_available() and time.monotonic() < deadline:
+    while not backend.draft_available(0) and time.monotonic() < deadline:
         time.sleep(0.5)
     again = distributed.generate(PROMPTS, GREEDY)
     assert [output.token_ids for output in again] == reference
@@ -142,17 +131,6 @@ def test_corrupted_blocks_are_dropped_and_change_nothing(distributed, reference)
     assert stub.Health(pb.HealthRequest()).status == "SERVING"
     channel.close()
     assert [o.token_ids for o in distributed.generate(PROMPTS, GREEDY)] == reference
-
-
-@pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
-    """A tiny target (2 KV heads: TP = 2 shards them) and a different draft, saved to disk."""
-    folder = tmp_path_factory.mktemp("tiny")
-    target = tiny_llama(5, seed=0, num_attention_heads=2, num_key_value_heads=2)
-    draft = perturbed_copy(target, seed=1, noise=0.5)
-    target.save_pretrained(folder / "target")
-    draft.save_pretrained(folder / "draft")
-    return target, str(folder / "target"), str(folder / "draft")
 
 
 def test_sampling_through_tp2_and_sparse_q_follows_the_target(cluster, tiny_pair):

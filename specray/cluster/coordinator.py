@@ -1,0 +1,664 @@
+"""The coordinator: admission, continuous batching, block length and pipelining for one target
+group. It holds every request's committed tokens (the source of truth) and streams them out.
+
+Pipelining. Running requests are split into ``num_micro_batches`` micro-batches, each driven by
+its own round loop: ask the draft workers for blocks (they stream them to the target over gRPC)
+and, at the same time, ask the target to verify (it waits for the blocks, then verifies).
+Worker calls execute in order, one at a time, so with two micro-batches the draft drafts one
+while the target verifies the other. With one micro-batch the draft would idle during
+verification; ``draft_ahead`` lets it keep drafting past its block (assuming every token and
+its own guess of the bonus token are accepted). Drafts made ahead are kept only when the
+committed tokens agree with what they assumed, so they are exactly the drafts a fresh call
+would make (keyed randomness): every path stays exact.
+
+Block length. Per request and round, k comes from :func:`specray.cluster.policy.choose_k` on
+the request's measured per-position acceptance and the group's measured costs (verify time as
+a function of batch and tokens, draft step time, network round trip); k = 0 runs the request
+target-only, and such a request is probed again every ``probe_every_rounds`` rounds.
+
+The same code runs on real workers (:mod:`specray.cluster.ray_backends`) and on simulated ones
+(:mod:`specray.sim`, a discrete-event clock): all timing uses the event loop's clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from specray.cluster.backends import DraftBackend, TargetBackend
+from specray.cluster.metrics import CoordinatorMetrics
+from specray.cluster.policy import (
+    AcceptanceEstimator,
+    DraftCost,
+    PolicyConfig,
+    VerifyCost,
+    choose_k,
+    fit_draft_cost,
+    fit_verify_cost,
+    should_probe,
+)
+from specray.core import RequestState
+from specray.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    OverloadedError,
+    RequestCancelledError,
+    SpecrayError,
+    UnavailableError,
+)
+from specray.outputs import RequestOutput
+from specray.sampling import MAX_SPEC_LEN, SamplingParams
+from specray.sampling.rng import random_seed
+
+log = logging.getLogger(__name__)
+DRAFT_RETURN_WAIT_S = 1.0  # after its blocks were verified, a propose call returns within this
+COST_SAMPLES = 256  # recent timing samples kept for the cost fits
+# Cost priors until measurements arrive (seconds): verification barely growing with tokens and
+# a cheap draft, so speculation starts on and the fits take over within a few rounds.
+DEFAULT_VERIFY_PRIOR = VerifyCost(fixed_s=0.05, per_request_s=0.01, per_token_s=0.003)
+DEFAULT_DRAFT_PRIOR = DraftCost(fixed_s=0.02, per_request_s=0.005)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    max_running: int = 64  # requests decoded at once (continuous batching)
+    max_queue: int = 256  # admitted requests waiting for a slot; beyond: OverloadedError
+    num_micro_batches: int = 2  # 1 = unpipelined rounds; 2+ = draft one while verifying another
+    num_speculative_tokens: int = 8  # the largest k
+    adaptive_k: bool = True  # choose k per request and round from measurements
+    draft_ahead: bool = True  # the draft keeps drafting while its block is verified
+    draft_deadline_s: float = 5.0  # the target waits this long for a block, then goes alone
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # Cost priors until measurements arrive (seconds); the online fits replace them.
+    verify_prior: VerifyCost = field(default_factory=lambda: DEFAULT_VERIFY_PRIOR)
+    draft_prior: DraftCost = field(default_factory=lambda: DEFAULT_DRAFT_PRIOR)
+    rtt_prior_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        def integer(name: str, low: int, high: int | None = None) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if value < low or (high is not None and value > high):
+                bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+                raise ValueError(f"{name} must be {bound}, got {value}")
+
+        integer("max_running", 1)
+        integer("max_queue", 0)
+        integer("num_micro_batches", 1, 16)
+        integer("num_speculative_tokens", 0, MAX_SPEC_LEN)
+        for name in ("adaptive_k", "draft_ahead"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not self.draft_deadline_s > 0:
+            raise ValueError(f"draft_deadline_s must be > 0, got {self.draft_deadline_s!r}")
+        if not self.rtt_prior_s >= 0:
+            raise ValueError(f"rtt_prior_s must be >= 0, got {self.rtt_prior_s!r}")
+        if self.policy.max_k != self.num_speculative_tokens:
+            # One source of truth for the largest k.
+            object.__setattr__(
+                self, "policy", replace(self.policy, max_k=self.num_speculative_tokens)
+            )
+
+
+@dataclass
+class StreamDelta:
+    token_ids: list[int]  # newly committed tokens (may be empty on the final delta)
+    output: RequestOutput | None = None  # set on the final delta
+
+
+class RequestStream:
+    """Committed tokens of one request as they are committed; ``result()`` waits for the end."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._output: RequestOutput | None = None
+        self._error: SpecrayError | None = None
+        self._done = asyncio.Event()
+
+    def _push(self, token_ids: list[int]) -> None:
+        self._queue.put_nowait(StreamDelta(list(token_ids)))
+
+    def _finish(self, output: RequestOutput | None, error: SpecrayError | None) -> None:
+        self._output, self._error = output, error
+        self._queue.put_nowait(StreamDelta([], output) if error is None else error)
+        self._done.set()
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        return self._iterate()
+
+    async def _iterate(self):
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, SpecrayError):
+                raise item
+            yield item
+            if item.output is not None:
+                return
+
+    async def result(self) -> RequestOutput:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._output
+
+
+@dataclass
+class _Request:
+    state: RequestState
+    stream: RequestStream
+    arrival_s: float
+    deadline_s: float | None  # on the loop's clock
+    estimator: AcceptanceEstimator
+    draft_worker: int | None = None
+    target_knows: bool = False
+    draft_known: int | None = None  # committed tokens the draft worker has seen (None: unseen)
+    step: int = 0
+    cancelled: bool = False
+    first_token_s: float | None = None
+    last_emit_s: float | None = None
+    chunk_gaps_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Costs:
+    """Measured costs, refitted as samples arrive."""
+
+    verify: VerifyCost
+    draft: DraftCost
+    rtt_s: float
+    verify_samples: list = field(default_factory=list)  # (batch, tokens per request, seconds)
+    draft_samples: list = field(default_factory=list)  # (batch, seconds per step)
+
+    def add_verify(self, batch: int, tokens: int, seconds: float, prior: VerifyCost) -> None:
+        self.verify_samples = [*self.verify_samples[-COST_SAMPLES + 1 :], (batch, tokens, seconds)]
+        self.verify = fit_verify_cost(self.verify_samples, prior)
+
+    def add_draft(self, batch: int, seconds_per_step: float, prior: DraftCost) -> None:
+        self.draft_samples = [*self.draft_samples[-COST_SAMPLES + 1 :], (batch, seconds_per_step)]
+        self.draft = fit_draft_cost(self.draft_samples, prior)
+
+    def add_rtt(self, seconds: float) -> None:
+        self.rtt_s = 0.9 * self.rtt_s + 0.1 * max(seconds, 0.0)
+
+
+@dataclass
+class CoordinatorStats:
+    """Totals since the last :meth:`Coordinator.reset_stats` (for benchmarks and reports)."""
+
+    started_s: float = 0.0
+    target_compute_s: float = 0.0
+    target_wait_s: float = 0.0
+    rounds: int = 0
+    draft_bytes: int = 0
+    committed_tokens: int = 0
+    reused_tokens: int = 0
+    draft_failures: int = 0
+    dropped_blocks: int = 0
+
+
+class Coordinator:
+    """Admission, continuous batching, adaptive k and pipelining over one target group.
+
+    Use from asyncio: ``await start()``, ``stream = await submit(prompt_token_ids, params)``,
+    ``async for delta in stream``, ``abort(request_id)``, ``await stop()``.
+    """
+
+    def __init__(
+        self,
+        target: TargetBackend,
+        drafts: DraftBackend | None,
+        config: CoordinatorConfig,
+        *,
+        vocab_size: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_positions: int | None = None,
+        tokenizer=None,
+        model_name: str = "default",
+    ):
+        self.target, self.drafts, self.config = target, drafts, config
+        self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
+        self.max_positions, self.tokenizer = max_positions, tokenizer
+        self.metrics = CoordinatorMetrics(model_name)
+        self.costs = _Costs(config.verify_prior, config.draft_prior, config.rtt_prior_s)
+        self.stats = CoordinatorStats()
+        self._ids = itertools.count()
+        self._waiting: list[_Request] = []
+        self._batches: list[list[_Request]] = [[] for _ in range(config.num_micro_batches)]
+        self._requests: dict[str, _Request] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Future] = set()  # replacements under way
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        self.stats.started_s = self._loop.time()
+        self._tasks = [
+            asyncio.create_task(self._run_micro_batch(index), name=f"micro-batch-{index}")
+            for index in range(self.config.num_micro_batches)
+        ]
+
+    async def stop(self, *, drain: bool = True) -> None:
+        """Stop taking requests; finish the running ones (``drain``) or cancel them."""
+        self._draining = True
+        if not drain:
+            for request in list(self._requests.values()):
+                request.cancelled = True
+        self._wakeup.set()
+        await asyncio.gather(*self._tasks)
+
+    def reset_stats(self) -> None:
+        self.stats = CoordinatorStats(started_s=self._loop.time())
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(batch) for batch in self._batches)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- requests ----------------------------------------------------------------------
+    async def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> RequestStream:
+        """Admit a request or fail at once: invalid input, queue full, or draining."""
+        params = params or SamplingParams()
+        if self._draining:
+            raise UnavailableError("the coordinator is draining; retry on another replica")
+        self._check_request(prompt_token_ids, params, request_id, timeout_s)
+        if len(self._waiting) >= self.config.max_queue:
+            self.metrics.labels(self.metrics.request_rejected).inc()
+            raise OverloadedError(
+                f"admission queue is full ({self.config.max_queue} waiting); retry later"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else random_seed()
+        state = RequestState.create(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            seed,
+            self.vocab_size,
+            self.eos_token_ids,
+        )
+        now = self._loop.time()
+        request = _Request(
+            state=state,
+            stream=RequestStream(request_id),
+            arrival_s=now,
+            deadline_s=now + timeout_s if timeout_s is not None else None,
+            estimator=AcceptanceEstimator(),
+        )
+        self._requests[request_id] = request
+        self._waiting.append(request)
+        self.metrics.labels(self.metrics.prompt_tokens).inc(len(prompt_token_ids))
+        self._update_gauges()
+        self._wakeup.set()
+        return request.stream
+
+    def _check_request(self, prompt_token_ids, params, request_id, timeout_s) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {params!r}")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        for token_id in prompt_token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers, got {token_id!r}", param="prompt"
+                )
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token id {token_id} is outside the vocabulary [0, {self.vocab_size})",
+                    param="prompt",
+                )
+        try:
+            params.check_vocab(self.vocab_size)
+        except ValueError as error:
+            raise InvalidRequestError(str(error)) from None
+        if self.max_positions and len(prompt_token_ids) + params.max_tokens > self.max_positions:
+            raise InvalidRequestError(
+                f"max_tokens={params.max_tokens} plus the {len(prompt_token_ids)}-token prompt "
+                f"exceeds the model's {self.max_positions} positions",
+                param="max_tokens",
+            )
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise InvalidRequestError(
+                f"request_id must be a non-empty string, got {request_id!r}", param="request_id"
+            )
+        if request_id in self._requests:
+            raise InvalidRequestError(
+                f"request_id {request_id!r} is already in flight", param="request_id"
+            )
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise InvalidRequestError(f"timeout_s must be > 0, got {timeout_s!r}", param="timeout")
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its worker state is freed at its next round boundary."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        request.cancelled = True
+        if request in self._waiting:
+            self._waiting.remove(request)
+            self._end(request, RequestCancelledError(f"request {request_id} was cancelled"))
+        self._wakeup.set()
+        return True
+
+    # ---- the round loops ---------------------------------------------------------------
+    async def _run_micro_batch(self, index: int) -> None:
+        batch = self._batches[index]
+        while True:
+            self._expire_waiting()
+            self._admit(batch)
+            await self._reap(batch)
+            if not batch:
+                if self._draining and not self._waiting:
+                    return
+                self._wakeup.clear()
+                await self._wait_for_work()
+                continue
+            try:
+                await self._round(batch)
+            except Exception as error:  # a target failure: fail the batch, stay up
+                log.exception("round failed")
+                for request in list(batch):
+                    batch.remove(request)
+                    self._end(request, UnavailableError(f"target group failed: {error}"))
+            self._update_gauges()
+
+    async def _wait_for_work(self) -> None:
+        """Sleep until a submit, an abort or the next waiting request's deadline."""
+        deadlines = [r.deadline_s for r in self._waiting if r.deadline_s is not None]
+        timeout = max(min(deadlines) - self._loop.time(), 0) if deadlines else None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+
+    def _admit(self, batch: list[_Request]) -> None:
+        """Join waiting requests at this block boundary, keeping micro-batches balanced."""
+        while self._waiting and self.num_running < self.config.max_running:
+            total = self.num_running + len(self._waiting)
+            if len(batch) >= math.ceil(total / self.config.num_micro_batches):
+                return
+            request = self._waiting.pop(0)
+            if self.drafts is not None:
+                load = [0] * self.drafts.num_workers
+                for other in self._requests.values():
+                    if other.draft_worker is not None:
+                        load[other.draft_worker] += 1
+                request.draft_worker = load.index(min(load))
+            batch.append(request)
+
+    def _expire_waiting(self) -> None:
+        now = self._loop.time()
+        for request in [r for r in self._waiting if r.deadline_s and r.deadline_s <= now]:
+            self._waiting.remove(request)
+            self._end(request, self._deadline_error(request))
+
+    async def _reap(self, batch: list[_Request]) -> None:
+        """Remove cancelled and expired requests and free their state on the workers."""
+        now = self._loop.time()
+        gone = [r for r in batch if r.cancelled or (r.deadline_s and r.deadline_s <= now)]
+        if not gone:
+            return
+        for request in gone:
+            batch.remove(request)
+        await self._release(gone)
+        for request in gone:
+            error = (
+                RequestCancelledError(f"request {request.state.request_id} was cancelled")
+                if request.cancelled
+                else self._deadline_error(request)
+            )
+            self._end(request, error)
+
+    @staticmethod
+    def _deadline_error(request: _Request) -> DeadlineExceededError:
+        return DeadlineExceededError(
+            f"request {request.state.request_id} exceeded its deadline after "
+            f"{len(request.state.output_token_ids)} tokens"
+        )
+
+    async def _release(self, requests: list[_Request]) -> None:
+        ids = [r.state.request_id for r in requests if r.target_knows]
+        if ids:
+            await self.target.release(ids)
+        if self.drafts is None:
+            return
+        for worker in range(self.drafts.num_workers):
+            ids = [
+                r.state.request_id
+                for r in requests
+                if r.draft_worker == worker and r.draft_known is not None
+            ]
+            if ids and self.drafts.available(worker):
+                try:
+                    await self.drafts.release(worker, ids)
+                except Exception as error:  # a dead worker holds nothing; it is being replaced
+                    log.warning("draft worker %d release failed: %s", worker, error)
+
+    def _choose_k(self, request: _Request, batch_size: int) -> int:
+        remaining = request.state.remaining
+        cap = min(self.config.num_speculative_tokens, remaining - 1)
+        if cap <= 0 or self.drafts is None:
+            return 0
+        if not self.drafts.available(request.draft_worker):
+            return 0
+        if not self.config.adaptive_k:
+            return cap
+        pipelined = self.config.num_micro_batches > 1 or self.config.draft_ahead
+        k = choose_k(
+            request.estimator.acceptance(self.config.num_speculative_tokens),
+            batch=batch_size,
+            verify=self.costs.verify,
+            draft=self.costs.draft,
+            rtt_s=self.costs.rtt_s,
+            pipelined=pipelined,
+            config=self.config.policy,
+            max_tokens_left=remaining,
+        )
+        if k == 0 and should_probe(request.estimator.rounds_since_speculation, self.config.policy):
+            k = min(self.config.policy.probe_k, cap)
+        if k == 0:
+            request.estimator.observe_target_only()
+        return k
+
+    async def _round(self, batch: list[_Request]) -> None:
+        loop = self._loop
+        requests = list(batch)
+        ks = [self._choose_k(request, len(requests)) for request in requests]
+        target_items, draft_items = [], {}
+        for request, k in zip(requests, ks, strict=True):
+            request.step += 1
+            state = request.state
+            item = {
+                "request_id": state.request_id,
+                "step": request.step,
+                "num_committed": len(state.output_token_ids),
+                "expect_draft": k > 0,
+            }
+            target_items.append(item | ({} if request.target_knows else state.to_spec()))
+            request.target_knows = True
+            if k > 0:
+                draft_items.setdefault(request.draft_worker, []).append(
+                    self._draft_item(request, k)
+                )
+        started = loop.time()
+        proposals = {
+            worker: asyncio.ensure_future(
+                self.drafts.propose(worker, items, self.config.draft_ahead)
+            )
+            for worker, items in draft_items.items()
+        }
+        reply = await self.target.verify(target_items, self.config.draft_deadline_s)
+        call_s = loop.time() - started
+        late = any(r["dropped_reason"].startswith("deadline") for r in reply["results"])
+        await self._collect_proposals(proposals, requests, 0 if late else DRAFT_RETURN_WAIT_S)
+        self._record_round(requests, ks, reply, call_s)
+        finished = []
+        for request, result in zip(requests, reply["results"], strict=True):
+            self._commit(request, result)
+            if request.state.finish_reason:
+                finished.append(request)
+        for request in finished:
+            batch.remove(request)
+            request.target_knows = False  # the target released it when it finished
+        if finished:
+            await self._release(finished)
+        for request in finished:
+            self._end(request, None)
+
+    def _draft_item(self, request: _Request, k: int) -> dict:
+        state = request.state
+        item = {
+            "request_id": state.request_id,
+            "step": request.step,
+            "k": k,
+            "num_committed": len(state.output_token_ids),
+        }
+        if request.draft_known is None:
+            spec = state.to_spec()
+            item |= {key: spec[key] for key in ("prompt_token_ids", "params", "seed")}
+            item["new_token_ids"] = list(state.output_token_ids)
+        else:
+            item["new_token_ids"] = state.output_token_ids[request.draft_known :]
+        request.draft_known = len(state.output_token_ids)
+        return item
+
+    async def _collect_proposals(self, proposals: dict, requests: list[_Request], wait_s) -> None:
+        for worker, future in proposals.items():
+            done, _ = await asyncio.wait([future], timeout=wait_s)
+            if not done:
+                # Slow worker: it keeps the call; it will be seen as failed or finished later.
+                future.add_done_callback(lambda f, w=worker: self._late_proposal(f, w))
+                continue
+            self._proposal_done(future, worker)
+
+    def _late_proposal(self, future: asyncio.Future, worker: int) -> None:
+        self._proposal_done(future, worker)
+
+    def _proposal_done(self, future: asyncio.Future, worker: int) -> None:
+        try:
+            reply = future.result()
+        except Exception as error:  # the worker died or its call failed: replace it
+            log.warning("draft worker %d failed (%s); continuing target-only", worker, error)
+            self.stats.draft_failures += 1
+            self.metrics.labels(self.metrics.draft_worker_restarts).inc()
+            for request in self._requests.values():
+                if request.draft_worker == worker:
+                    request.draft_known = None  # the replacement has seen nothing
+            replacement = asyncio.ensure_future(self.drafts.replace(worker))
+            self._background.add(replacement)
+            replacement.add_done_callback(self._background.discard)
+            return
+        self.stats.draft_bytes += reply["bytes"]
+        self.stats.reused_tokens += reply.get("reused_tokens", 0)
+        self.metrics.labels(self.metrics.wire_bytes).inc(reply["bytes"])
+        self.metrics.labels(self.metrics.draft_latency).observe(reply["draft_s"])
+        if reply["steps"] > 0 and reply["num_requests"] > 0:
+            self.costs.add_draft(
+                reply["num_requests"], reply["draft_s"] / reply["steps"], self.config.draft_prior
+            )
+
+    def _record_round(self, requests, ks, reply, call_s: float) -> None:
+        compute_s, wait_s = reply["compute_s"], reply["wait_s"]
+        self.stats.rounds += 1
+        self.stats.target_compute_s += compute_s
+        self.stats.target_wait_s += wait_s
+        self.metrics.labels(self.metrics.target_busy_seconds).inc(compute_s)
+        self.metrics.labels(self.metrics.pipeline_bubble_seconds).inc(wait_s)
+        self.metrics.labels(self.metrics.verify_latency).observe(compute_s)
+        network_s = max(call_s - reply["service_s"], 0.0)
+        self.metrics.labels(self.metrics.network_latency).observe(network_s)
+        if any(ks):
+            self.costs.add_rtt(network_s)
+        widest = max(len(r["token_ids"]) + (r["num_draft_tokens"] - r["num_accepted"])
+                     for r in reply["results"])  # fmt: skip
+        self.costs.add_verify(len(requests), widest, compute_s, self.config.verify_prior)
+        elapsed = self._loop.time() - self.stats.started_s
+        if elapsed > 0:
+            busy = min(self.stats.target_compute_s / elapsed, 1.0)
+            self.metrics.labels(self.metrics.target_busy_fraction).set(busy)
+
+    def _commit(self, request: _Request, result: dict) -> None:
+        state = request.state
+        num_draft, num_accepted = result["num_draft_tokens"], result["num_accepted"]
+        state.metrics.record(num_draft, num_accepted)
+        self.metrics.record_round(num_draft, num_accepted)
+        if num_draft:
+            request.estimator.update(num_draft, num_accepted)
+        if result["dropped_reason"]:
+            self.stats.dropped_blocks += 1
+            reason = result["dropped_reason"].split(":")[0]
+            self.metrics.labels(self.metrics.dropped_blocks, reason=reason).inc()
+        before = len(state.output_token_ids)
+        state.commit(result["token_ids"])
+        if state.finish_reason != result["finish_reason"]:
+            raise RuntimeError(f"coordinator and target disagree on {state.request_id}'s end")
+        new = state.output_token_ids[before:]
+        self.stats.committed_tokens += len(new)
+        self.metrics.labels(self.metrics.generation_tokens).inc(len(new))
+        now = self._loop.time()
+        if request.first_token_s is None:
+            request.first_token_s = now
+            self.metrics.labels(self.metrics.time_to_first_token).observe(now - request.arrival_s)
+        elif new:
+            request.chunk_gaps_s.append(now - request.last_emit_s)
+            for _ in new:
+                gap = (now - request.last_emit_s) / len(new)
+                self.metrics.labels(self.metrics.inter_token_latency).observe(gap)
+        request.last_emit_s = now
+        request.stream._push(new)
+
+    def _end(self, request: _Request, error: SpecrayError | None) -> None:
+        self._requests.pop(request.state.request_id, None)
+        output = None
+        if error is None:
+            output = self._output(request)
+            reason = output.finish_reason
+            self.metrics.labels(
+                self.metrics.e2e_request_latency
+            ).observe(self._loop.time() - request.arrival_s)  # fmt: skip
+        else:
+            reason = "abort"
+        self.metrics.labels(self.metrics.request_success, finished_reason=reason).inc()
+        request.stream._finish(output, error)
+        self._update_gauges()
+
+    def _output(self, request: _Request) -> RequestOutput:
+        state = request.state
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(state.output_token_ids, skip_special_tokens=True)
+        now = self._loop.time()
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt_token_ids=state.prompt_token_ids,
+            token_ids=list(state.output_token_ids),
+            text=text,
+            finish_reason=state.finish_reason or "length",
+            seed=state.random.seed,
+            metrics=state.metrics,
+            time_to_first_token_s=(request.first_token_s or now) - request.arrival_s,
+            latency_s=now - request.arrival_s,
+            chunk_gaps_s=list(request.chunk_gaps_s),
+        )
+
+    def _update_gauges(self) -> None:
+        self.metrics.labels(self.metrics.num_requests_running).set(self.num_running)
+        self.metrics.labels(self.metrics.num_requests_waiting).set(len(self._waiting))

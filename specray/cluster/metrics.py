@@ -1,0 +1,109 @@
+"""Prometheus metrics of a coordinator, named as vLLM's so existing dashboards work.
+
+vLLM exports ``vllm:spec_decode_num_drafts_total`` and friends; specray exports the same names
+under the ``specray:`` prefix, plus what a distributed speculative decoder adds: target busy
+fraction, pipeline bubble time, queue depth, per-phase latency and bytes on the wire. Each
+coordinator owns its registry, so several can live in one process (tests, simulations).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+disable_created_metrics()  # the *_created series double the output and no dashboard reads them
+
+PREFIX = "specray:"
+# Seconds: 1 ms .. 30 s, enough resolution for CPU steps (~0.1 s) and GPU steps (~10 ms).
+LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25,
+    0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
+class CoordinatorMetrics:
+    def __init__(self, model_name: str = "default"):
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        self._labels = {"model_name": model_name}
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(
+                PREFIX + name, doc, labels, buckets=LATENCY_BUCKETS_S, registry=self.registry
+            )
+
+        # vLLM's speculative-decoding counters (prometheus_client appends ``_total``).
+        self.num_drafts = counter("spec_decode_num_drafts", "Verifications with drafts.")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self.accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position of the block.",
+            ("position",),
+        )
+        # vLLM's request-level names.
+        self.num_requests_running = gauge("num_requests_running", "Requests being decoded.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests in the queue.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens admitted.")
+        self.generation_tokens = counter("generation_tokens", "Tokens committed.")
+        self.request_success = counter(
+            "request_success", "Finished requests by reason.", ("finished_reason",)
+        )
+        self.request_rejected = counter(
+            "request_rejected", "Requests refused at admission (queue full)."
+        )
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between streamed tokens (per token)."
+        )
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Request latency.")
+        # Distributed speculation.
+        self.target_busy_seconds = counter("target_busy_seconds", "Target compute time.")
+        self.pipeline_bubble_seconds = counter(
+            "pipeline_bubble_seconds", "Target time spent waiting for draft blocks."
+        )
+        self.target_busy_fraction = gauge(
+            "target_busy_fraction", "Target compute time / wall time since the last reset."
+        )
+        self.draft_latency = histogram("draft_latency_seconds", "Draft worker time per call.")
+        self.network_latency = histogram(
+            "network_latency_seconds",
+            "Coordinator-to-target call time minus the target's service time "
+            "(transport and queueing).",
+        )
+        self.verify_latency = histogram("verify_latency_seconds", "Target verification compute.")
+        self.wire_bytes = counter("draft_wire_bytes", "Draft block bytes sent draft -> target.")
+        self.dropped_blocks = counter(
+            "dropped_draft_blocks", "Blocks dropped before verification, by reason.", ("reason",)
+        )
+        self.draft_worker_restarts = counter("draft_worker_restarts", "Draft workers replaced.")
+
+    def labels(self, metric, **extra):
+        return metric.labels(**self._labels, **extra)
+
+    def record_round(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens == 0:
+            return
+        self.labels(self.num_drafts).inc()
+        self.labels(self.num_draft_tokens).inc(num_draft_tokens)
+        self.labels(self.num_accepted_tokens).inc(num_accepted)
+        for position in range(num_accepted):
+            self.labels(self.accepted_per_pos, position=str(position)).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition format (what ``GET /metrics`` serves)."""
+        return generate_latest(self.registry)

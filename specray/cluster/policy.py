@@ -1,0 +1,298 @@
+"""Speculation-length policy: choose the draft length k that maximises predicted tokens/s.
+
+Pure stdlib so the coordinator can run it every round. Model (DESIGN.md): with per-position
+acceptance α_j, one target call commits E(k) = 1 + Σ_{j<=k} Π_{i<=j} α_i tokens per request.
+A round costs k·draft_step(b) + rtt_s + verify(b, k+1) unpipelined, or
+max(verify(b, k+1) + rtt_s, k·draft_step(b)) when the draft works on one micro-batch while the
+target verifies another; k = 0 is target-only: verify(b, 1), no draft and no network hop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import combinations
+
+MAX_K_LIMIT = 32
+_PIVOT_TOL = 1e-10  # on a unit-diagonal Gram matrix: below this the design is rank-deficient
+
+
+def _check(name: str, value: object, low: float, high: float | None = None, *, integer=False):
+    """Validated value: a finite number (an int if `integer`) in [low, high]."""
+    kind = "an integer" if integer else "a finite number"
+    wrong_type = isinstance(value, bool) or not isinstance(value, int if integer else int | float)
+    if wrong_type or not math.isfinite(value):
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+    return value
+
+
+def _acceptance(values: Sequence[float]) -> list[float]:
+    return [float(_check(f"acceptance[{i}]", v, 0, 1)) for i, v in enumerate(values)]
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """Target forward time: fixed_s + per_request_s * batch
+    + per_token_s * batch * tokens_per_request (tokens_per_request = k + 1 when verifying)."""
+
+    fixed_s: float
+    per_request_s: float
+    per_token_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("fixed_s", "per_request_s", "per_token_s"):
+            _check(name, getattr(self, name), 0)
+
+    def seconds(self, batch: int, tokens_per_request: int) -> float:
+        batch = _check("batch", batch, 1, integer=True)
+        tokens = _check("tokens_per_request", tokens_per_request, 1, integer=True)
+        return self.fixed_s + self.per_request_s * batch + self.per_token_s * batch * tokens
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """One draft step (one token for each request of the batch): fixed_s + per_request_s * batch."""
+
+    fixed_s: float
+    per_request_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("fixed_s", "per_request_s"):
+            _check(name, getattr(self, name), 0)
+
+    def seconds(self, batch: int) -> float:
+        return self.fixed_s + self.per_request_s * _check("batch", batch, 1, integer=True)
+
+
+def _dot(left: Sequence[float], right: Sequence[float]) -> float:
+    return math.fsum(a * b for a, b in zip(left, right, strict=True))
+
+
+def _least_squares(columns: list[list[float]], ys: list[float]) -> list[float] | None:
+    """Normal equations by Gaussian elimination; None if the columns are linearly dependent."""
+    # Unit-norm columns: features span 1 .. batch*tokens, and the pivot test needs one scale.
+    norms = [math.sqrt(_dot(col, col)) for col in columns]
+    if min(norms) == 0.0:
+        return None
+    unit = [[v / n for v in col] for col, n in zip(columns, norms, strict=True)]
+    rows = [[_dot(a, b) for b in unit] + [_dot(a, ys)] for a in unit]  # augmented Gram matrix
+    size = len(unit)
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) <= _PIVOT_TOL:
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, size):
+            factor = rows[r][col] / rows[col][col]
+            rows[r] = [x - factor * y for x, y in zip(rows[r], rows[col], strict=True)]
+    solution = [0.0] * size
+    for r in reversed(range(size)):
+        solution[r] = (rows[r][size] - _dot(rows[r][r + 1 : size], solution[r + 1 :])) / rows[r][r]
+    return [s / n for s, n in zip(solution, norms, strict=True)]
+
+
+def _nnls(columns: list[list[float]], ys: list[float]) -> list[float]:
+    """Exact non-negative least squares for a few columns: the NNLS optimum is the
+    unconstrained fit on its support, so it is the best feasible fit over all supports."""
+    width, best, best_sse = len(columns), [0.0] * len(columns), math.inf
+    for size in range(width, 0, -1):  # larger supports first: they win exact ties
+        for support in combinations(range(width), size):
+            coefs = _least_squares([columns[j] for j in support], ys)
+            if coefs is None or min(coefs) < 0.0:
+                continue
+            full = [coefs[support.index(j)] if j in support else 0.0 for j in range(width)]
+            rows = zip(*columns, strict=True)
+            sse = math.fsum((y - _dot(full, row)) ** 2 for y, row in zip(ys, rows, strict=True))
+            if sse < best_sse:
+                best, best_sse = full, sse
+    return best
+
+
+def _fit_linear(columns: list[list[float]], ys: list[float], prior: list[float]) -> list[float]:
+    """Non-negative least squares; directions the samples cannot identify keep the prior's
+    shape. E.g. verify samples all at t = 3 tokens confound per_request_s and per_token_s (the
+    data only sees per_request_s + 3 * per_token_s), so that pair is fitted as one multiplier on
+    the prior's pair; with one distinct point everything is confounded: the prior is scaled."""
+    if not ys:
+        return list(prior)
+    if _least_squares(columns, ys) is not None:
+        return _nnls(columns, ys)
+    # Coefficient j is confounded when the other columns alone are still independent.
+    others = [[c for i, c in enumerate(columns) if i != j] for j in range(len(prior))]
+    tied = [j for j in range(len(prior)) if _least_squares(others[j], ys) is not None]
+    tied = tied or list(range(len(prior)))
+    weights = [prior[j] for j in tied]
+    if not any(weights):  # a zero prior has no shape to keep: put it on one coefficient
+        weights = [1.0] + [0.0] * (len(tied) - 1)
+    free = [j for j in range(len(prior)) if j not in tied]
+    combined = [_dot(weights, [columns[j][i] for j in tied]) for i in range(len(ys))]
+    *free_coefs, scale = _nnls([columns[j] for j in free] + [combined], ys)
+    fitted = dict(zip(free, free_coefs, strict=True))
+    fitted.update({j: scale * w for j, w in zip(tied, weights, strict=True)})
+    return [fitted[j] for j in range(len(prior))]
+
+
+def fit_verify_cost(samples: Sequence[tuple[int, int, float]], prior: VerifyCost) -> VerifyCost:
+    """Fit (batch, tokens_per_request, seconds) samples, coefficients >= 0; exact least squares
+    when batches and token counts vary enough, else the prior fills the unidentified directions.
+    E.g. every sample at (batch 4, tokens 3) with mean 0.0132 s, prior (0.01, 0.001, 0.0)
+    (0.014 s there): the prior scaled by 0.0132 / 0.014 ≈ 0.943, i.e. (0.00943, 0.000943, 0)."""
+    columns: list[list[float]] = [[], [], []]
+    ys = []
+    for i, (batch, tokens, seconds) in enumerate(samples):
+        batch = _check(f"samples[{i}] batch", batch, 1, integer=True)
+        tokens = _check(f"samples[{i}] tokens_per_request", tokens, 1, integer=True)
+        ys.append(float(_check(f"samples[{i}] seconds", seconds, 0)))
+        for column, feature in zip(columns, (1, batch, batch * tokens), strict=True):
+            column.append(float(feature))
+    coefs = _fit_linear(columns, ys, [prior.fixed_s, prior.per_request_s, prior.per_token_s])
+    return VerifyCost(*coefs)
+
+
+def fit_draft_cost(samples: Sequence[tuple[int, float]], prior: DraftCost) -> DraftCost:
+    """Fit (batch, seconds per step) samples; a single distinct batch scales the prior."""
+    batches = [_check(f"samples[{i}] batch", s[0], 1, integer=True) for i, s in enumerate(samples)]
+    ys = [float(_check(f"samples[{i}] seconds", s[1], 0)) for i, s in enumerate(samples)]
+    columns = [[1.0] * len(ys), [float(batch) for batch in batches]]
+    return DraftCost(*_fit_linear(columns, ys, [prior.fixed_s, prior.per_request_s]))
+
+
+def expected_committed(acceptance: Sequence[float], k: int) -> float:
+    """E(k) with per-position acceptance; positions beyond len(acceptance) reuse the last value
+    (or 0 if empty). E.g. acceptance [0.8, 0.5], k = 3: 1 + 0.8 + 0.4 + 0.2 = 2.4."""
+    values = _acceptance(acceptance)
+    total, reach = 1.0, 1.0
+    for j in range(_check("k", k, 0, integer=True)):
+        reach *= values[min(j, len(values) - 1)] if values else 0.0
+        total += reach
+    return total
+
+
+def predicted_tokens_per_s(
+    acceptance: Sequence[float],
+    k: int,
+    *,
+    batch: int,
+    verify: VerifyCost,
+    draft: DraftCost,
+    rtt_s: float,
+    pipelined: bool,
+) -> float:
+    """batch * E(k) / round_time(k); inf if the cost model predicts a free round."""
+    committed = _check("batch", batch, 1, integer=True) * expected_committed(acceptance, k)
+    rtt_s = _check("rtt_s", rtt_s, 0)
+    if k == 0:
+        round_s = verify.seconds(batch, 1)
+    elif pipelined:  # the draft of one micro-batch hides behind the other's verify + transfer
+        round_s = max(verify.seconds(batch, k + 1) + rtt_s, k * draft.seconds(batch))
+    else:
+        round_s = k * draft.seconds(batch) + rtt_s + verify.seconds(batch, k + 1)
+    return committed / round_s if round_s > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_k: int = 8  # longest draft block considered; 0 disables speculation
+    probe_k: int = 2  # k used to re-measure acceptance for a request whose speculation is off
+    probe_every_rounds: int = 16  # a request at k=0 is probed again after this many rounds
+    min_gain: float = 1.02  # speculate only when predicted tokens/s beats target-only by this
+
+    def __post_init__(self) -> None:
+        _check("max_k", self.max_k, 0, MAX_K_LIMIT, integer=True)
+        _check("probe_k", self.probe_k, 1, MAX_K_LIMIT, integer=True)
+        _check("probe_every_rounds", self.probe_every_rounds, 1, integer=True)
+        _check("min_gain", self.min_gain, 1)
+
+
+def choose_k(
+    acceptance: Sequence[float],
+    *,
+    batch: int,
+    verify: VerifyCost,
+    draft: DraftCost,
+    rtt_s: float,
+    pipelined: bool,
+    config: PolicyConfig,
+    max_tokens_left: int | None = None,
+) -> int:
+    """argmax over k in 0..min(max_k, max_tokens_left - 1) of predicted tokens/s; 0 unless the
+    best k > 0 beats target-only by more than config.min_gain. Ties go to the smaller k.
+
+    A round commits at most k + 1 tokens, hence the max_tokens_left - 1 cap. Example (batch 1,
+    verify 10 ms flat, draft 1 ms/step, rtt 0, unpipelined, α = 0.5): k = 1 gives
+    1.5 / 11 ms = 136 tok/s against 100 tok/s target-only; k = 2 gives 1.75 / 12 ms = 146;
+    k = 3 gives 1.875 / 13 ms = 144, so k = 2.
+    """
+    cap = config.max_k
+    if max_tokens_left is not None:
+        cap = min(cap, _check("max_tokens_left", max_tokens_left, 1, integer=True) - 1)
+    costs = {"batch": batch, "verify": verify, "draft": draft, "rtt_s": rtt_s}
+    rates = [
+        predicted_tokens_per_s(acceptance, k, **costs, pipelined=pipelined) for k in range(cap + 1)
+    ]
+    best = max(range(1, cap + 1), key=lambda k: (rates[k], -k), default=0)
+    return best if best and rates[best] > config.min_gain * rates[0] else 0
+
+
+def should_probe(rounds_since_speculation: int, config: PolicyConfig) -> bool:
+    """A request at k = 0 yields no acceptance data, so it is re-measured periodically."""
+    rounds = _check("rounds_since_speculation", rounds_since_speculation, 0, integer=True)
+    return rounds >= config.probe_every_rounds
+
+
+class AcceptanceEstimator:
+    """Running per-position acceptance for one request from decayed (reached, accepted) counts.
+
+    Position j's Beta prior is centred on the request's pooled estimate (itself shrunk toward
+    prior_alpha with prior_weight pseudo-observations): late positions are reached rarely, and
+    the request's overall acceptance is a better guess for them than a fixed constant.
+    Example, fresh estimator, update(4, 2): reached [1, 1, 1], accepted [1, 1, 0];
+    pooled = (2 + 2*0.5) / (3 + 2) = 0.6; α_1 = α_2 = (1 + 2*0.6) / 3 = 0.733,
+    α_3 = (0 + 1.2) / 3 = 0.4, α_4 (never reached) = pooled = 0.6.
+    """
+
+    def __init__(self, prior_alpha: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9):
+        self.prior_alpha = float(_check("prior_alpha", prior_alpha, 0, 1))
+        self.prior_weight = float(_check("prior_weight", prior_weight, -math.inf))
+        self.decay = float(_check("decay", decay, -math.inf))
+        if self.prior_weight <= 0:  # the prior is what answers before any data
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight!r}")
+        if not 0 < self.decay <= 1:  # 0 would forget everything each round, > 1 amplify the past
+            raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        self._reached: list[float] = []
+        self._accepted: list[float] = []
+        self._rounds_since_speculation = 0
+
+    @property
+    def rounds_since_speculation(self) -> int:
+        return self._rounds_since_speculation
+
+    def observe_target_only(self) -> None:
+        self._rounds_since_speculation += 1
+
+    def update(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Record a verified block; update(0, 0) is a no-op (use observe_target_only)."""
+        drafted = _check("num_draft_tokens", num_draft_tokens, 0, integer=True)
+        accepted = _check("num_accepted", num_accepted, 0, drafted, integer=True)
+        if drafted == 0:
+            return
+        reached = min(accepted + 1, drafted)  # the first rejected position was reached too
+        grow = [0.0] * (reached - len(self._reached))
+        self._reached = [c * self.decay + (j < reached) for j, c in enumerate(self._reached + grow)]
+        self._accepted = [
+            c * self.decay + (j < accepted) for j, c in enumerate(self._accepted + grow)
+        ]
+        self._rounds_since_speculation = 0
+
+    def acceptance(self, max_k: int) -> list[float]:
+        """α_1..α_max_k."""
+        max_k = _check("max_k", max_k, 0, integer=True)
+        weight = self.prior_weight
+        pooled = (sum(self._accepted) + weight * self.prior_alpha) / (sum(self._reached) + weight)
+        counts = list(zip(self._accepted, self._reached, strict=True))[:max_k]
+        alphas = [(accepted + weight * pooled) / (reached + weight) for accepted, reached in counts]
+        return alphas + [pooled] * (max_k - len(alphas))

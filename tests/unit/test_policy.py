@@ -1,0 +1,249 @@
+"""Speculation-length policy: E(k), round time, choice of k, cost fits, acceptance tracking."""
+
+import re
+
+import pytest
+
+from specray.cluster.policy import (
+    AcceptanceEstimator,
+    DraftCost,
+    PolicyConfig,
+    VerifyCost,
+    choose_k,
+    expected_committed,
+    fit_draft_cost,
+    fit_verify_cost,
+    predicted_tokens_per_s,
+    should_probe,
+)
+
+# Target step at batch 4: 10.44 ms, growing only 0.04 ms per extra verified token.
+VERIFY = VerifyCost(fixed_s=0.010, per_request_s=0.0001, per_token_s=0.00001)
+CHEAP_DRAFT = DraftCost(fixed_s=0.0005, per_request_s=0.000005)  # 0.52 ms: 0.05x target step
+MID_DRAFT = DraftCost(fixed_s=0.002, per_request_s=0.00002)  # 2.08 ms: 0.2x target step
+EQUAL_DRAFT = DraftCost(fixed_s=0.010, per_request_s=0.00011)  # 10.44 ms: the target step
+RTTS_S = (0.0002, 0.005, 0.050)
+
+
+def pick(alpha, draft=CHEAP_DRAFT, *, rtt_s=0.0002, pipelined=False, batch=4, **config):
+    return choose_k(
+        [alpha],
+        batch=batch,
+        verify=VERIFY,
+        draft=draft,
+        rtt_s=rtt_s,
+        pipelined=pipelined,
+        config=PolicyConfig(**config),
+    )
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.7, 0.95])
+def test_expected_committed_matches_closed_form(alpha):
+    for k in range(11):
+        closed = (1 - alpha ** (k + 1)) / (1 - alpha)
+        assert expected_committed([alpha], k) == pytest.approx(closed, rel=1e-12)
+    assert expected_committed([1.0], 7) == 8.0
+
+
+def test_expected_committed_per_position_and_padding():
+    assert expected_committed([0.8, 0.5], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+    assert expected_committed([], 5) == 1.0
+    assert expected_committed([0.9], 0) == 1.0
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_zero_acceptance_never_speculates(pipelined):
+    assert pick(0.0, pipelined=pipelined) == 0
+
+
+@pytest.mark.parametrize(("pipelined", "max_k"), [(False, 8), (False, 16), (True, 8)])
+def test_certain_acceptance_and_cheap_draft_uses_max_k(pipelined, max_k):
+    assert pick(1.0, pipelined=pipelined, max_k=max_k) == max_k
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_high_acceptance_and_cheap_draft_drafts_long(pipelined):
+    assert pick(0.9, pipelined=pipelined) >= 5
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.9, 1.0])
+def test_draft_as_slow_as_target_is_not_worth_it(alpha):
+    assert pick(alpha, EQUAL_DRAFT) == 0
+
+
+def test_rising_rtt_lengthens_pipelined_blocks():
+    ks = [pick(0.9, MID_DRAFT, rtt_s=rtt_s, pipelined=True) for rtt_s in RTTS_S]
+    assert ks == sorted(ks) and ks[-1] > ks[0]  # [5, 8, 8]: drafting hides behind the hop
+
+
+def test_rising_rtt_lengthens_best_block_but_can_switch_speculation_off():
+    # Among k >= 1 the best block grows with RTT (the hop is amortised over more tokens), yet
+    # unpipelined at 50 ms the 5x-longer round loses to target-only, which skips the hop.
+    for pipelined in (False, True):
+        best = []
+        for rtt_s in RTTS_S:
+            costs = dict(batch=4, verify=VERIFY, draft=MID_DRAFT, rtt_s=rtt_s, pipelined=pipelined)
+            best.append(max(range(1, 17), key=lambda k: predicted_tokens_per_s([0.9], k, **costs)))
+        assert best == sorted(best) and best[-1] > best[0]
+    assert [pick(0.9, MID_DRAFT, rtt_s=rtt_s) for rtt_s in RTTS_S] == [7, 8, 0]
+
+
+def test_pipelining_allows_longer_blocks_when_the_draft_is_not_the_bottleneck():
+    for alpha in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0):
+        for rtt_s in (*RTTS_S, 0.001):
+            for batch in (1, 4, 16):
+                unpipelined = pick(alpha, rtt_s=rtt_s, batch=batch)
+                assert pick(alpha, rtt_s=rtt_s, batch=batch, pipelined=True) >= unpipelined
+
+
+def test_pipelining_prefers_shorter_blocks_when_draft_bound():
+    # 2.08 ms steps: beyond 5 of them the draft, not the 10.6 ms verify + hop, sets the round,
+    # so each extra step costs its full time; unpipelined it is amortised over a longer round.
+    assert pick(0.9, MID_DRAFT, pipelined=True) == 5 < pick(0.9, MID_DRAFT) == 7
+    for k in range(9):  # pipelining never predicts a slower round
+        costs = dict(batch=4, verify=VERIFY, draft=MID_DRAFT, rtt_s=0.0002)
+        piped = predicted_tokens_per_s([0.9], k, **costs, pipelined=True)
+        assert piped >= predicted_tokens_per_s([0.9], k, **costs, pipelined=False)
+
+
+def test_max_tokens_left_caps_k():
+    config = PolicyConfig()
+    costs = dict(batch=4, verify=VERIFY, draft=CHEAP_DRAFT, rtt_s=0.0002, pipelined=False)
+    assert choose_k([1.0], **costs, config=config, max_tokens_left=1) == 0
+    assert choose_k([1.0], **costs, config=config, max_tokens_left=3) == 2
+
+
+def test_min_gain_respected():
+    # Docstring example: k = 2 predicts 1.75 tokens / 12 ms = 145.8 tok/s vs 100 target-only.
+    costs = dict(batch=1, verify=VerifyCost(0.01, 0, 0), draft=DraftCost(0.001, 0), rtt_s=0)
+    assert predicted_tokens_per_s([0.5], 2, **costs, pipelined=False) == pytest.approx(1750 / 12)
+    for min_gain, expected in [(1.02, 2), (1.45, 2), (1.46, 0)]:
+        config = PolicyConfig(min_gain=min_gain)
+        assert choose_k([0.5], **costs, pipelined=False, config=config) == expected
+
+
+def test_ties_go_to_smaller_k():
+    # Free draft, flat verify, alpha = 0 beyond position 1: k = 1..8 all commit 2 tokens/round.
+    costs = dict(batch=1, verify=VerifyCost(0.01, 0, 0), draft=DraftCost(0, 0), rtt_s=0)
+    assert choose_k([1.0, 0.0], **costs, pipelined=False, config=PolicyConfig()) == 1
+
+
+def test_fit_verify_cost_recovers_coefficients_and_falls_back():
+    prior = VerifyCost(1.0, 1.0, 1.0)
+    samples = [(b, t, VERIFY.seconds(b, t)) for b in (1, 2, 4, 8) for t in (1, 3, 5)]
+    fitted = fit_verify_cost(samples, prior)
+    assert fitted.fixed_s == pytest.approx(VERIFY.fixed_s, abs=1e-9)
+    assert fitted.per_request_s == pytest.approx(VERIFY.per_request_s, abs=1e-9)
+    assert fitted.per_token_s == pytest.approx(VERIFY.per_token_s, abs=1e-9)
+    assert fit_verify_cost([], prior) == prior
+    # One (batch, tokens) point: the prior (0.014 s there) is scaled to the observed mean.
+    scaled = fit_verify_cost([(4, 3, 0.0130), (4, 3, 0.0134)], VerifyCost(0.01, 0.001, 0.0))
+    assert scaled.seconds(4, 3) == pytest.approx(0.0132, abs=1e-12)
+    assert scaled.fixed_s / scaled.per_request_s == pytest.approx(10.0)
+    # Only t = 3: fixed_s is identified, per_request_s + 3 per_token_s split as in the prior.
+    one_t = fit_verify_cost([(b, 3, VERIFY.seconds(b, 3)) for b in (1, 2, 4)], prior)
+    assert one_t.fixed_s == pytest.approx(VERIFY.fixed_s, abs=1e-12)
+    assert one_t.per_request_s == pytest.approx(one_t.per_token_s)
+    assert one_t.seconds(6, 3) == pytest.approx(VERIFY.seconds(6, 3), abs=1e-12)
+
+
+def test_fit_verify_cost_clamps_negative_coefficients():
+    samples = [(b, t, max(0.0, 0.01 - 0.001 * b + 0.0001 * b * t)) for b in (1, 4) for t in (1, 5)]
+    fitted = fit_verify_cost(samples, VerifyCost(0.01, 0.001, 0.0))
+    assert min(fitted.fixed_s, fitted.per_request_s, fitted.per_token_s) >= 0.0
+
+
+def test_fit_draft_cost_recovers_coefficients_and_falls_back():
+    prior = DraftCost(1.0, 1.0)
+    fitted = fit_draft_cost([(b, MID_DRAFT.seconds(b)) for b in (1, 2, 8)], prior)
+    assert fitted.fixed_s == pytest.approx(MID_DRAFT.fixed_s, abs=1e-9)
+    assert fitted.per_request_s == pytest.approx(MID_DRAFT.per_request_s, abs=1e-9)
+    assert fit_draft_cost([], prior) == prior
+    scaled = fit_draft_cost([(3, 0.008)], DraftCost(0.001, 0.001))
+    assert (scaled.fixed_s, scaled.per_request_s) == pytest.approx((0.002, 0.002))
+
+
+def test_estimator_prior_worked_example_and_limits():
+    fresh = AcceptanceEstimator()
+    assert fresh.acceptance(3) == [0.5, 0.5, 0.5]
+    fresh.update(4, 2)  # docstring example
+    assert fresh.acceptance(5) == pytest.approx([2.2 / 3, 2.2 / 3, 0.4, 0.6, 0.6])
+    accepting, rejecting = AcceptanceEstimator(), AcceptanceEstimator()
+    for _ in range(100):
+        accepting.update(4, 4)
+        rejecting.update(4, 0)
+    assert min(accepting.acceptance(8)) > 0.95
+    assert rejecting.acceptance(1)[0] < 0.1
+
+
+def test_estimator_decay_makes_recent_data_dominate():
+    decayed, remembering = AcceptanceEstimator(decay=0.9), AcceptanceEstimator(decay=1.0)
+    for estimator in (decayed, remembering):
+        for _ in range(50):
+            estimator.update(4, 4)
+        for _ in range(20):
+            estimator.update(4, 0)
+    assert decayed.acceptance(1)[0] < 0.2 < 0.5 < remembering.acceptance(1)[0]
+
+
+def test_estimator_counts_rounds_since_speculation():
+    estimator = AcceptanceEstimator()
+    for _ in range(3):
+        estimator.observe_target_only()
+    estimator.update(0, 0)  # nothing drafted: no reset
+    assert estimator.rounds_since_speculation == 3
+    estimator.update(2, 1)
+    assert estimator.rounds_since_speculation == 0
+
+
+def test_should_probe():
+    assert not should_probe(15, PolicyConfig())
+    assert should_probe(16, PolicyConfig())
+    assert should_probe(1, PolicyConfig(probe_every_rounds=1))
+
+
+def _costs(**overrides):
+    costs = dict(batch=4, verify=VERIFY, draft=CHEAP_DRAFT, rtt_s=0.0, pipelined=False)
+    return {**costs, **overrides}
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: VerifyCost(-1.0, 0.0, 0.0), "fixed_s"),
+        (lambda: VerifyCost(0.0, float("nan"), 0.0), "per_request_s"),
+        (lambda: VerifyCost(0.0, 0.0, -1e-9), "per_token_s"),
+        (lambda: DraftCost(0.0, -1.0), "per_request_s"),
+        (lambda: VERIFY.seconds(0, 1), "batch"),
+        (lambda: VERIFY.seconds(1, 0), "tokens_per_request"),
+        (lambda: CHEAP_DRAFT.seconds(True), "batch"),
+        (lambda: PolicyConfig(max_k=33), "max_k"),
+        (lambda: PolicyConfig(max_k=-1), "max_k"),
+        (lambda: PolicyConfig(probe_k=0), "probe_k"),
+        (lambda: PolicyConfig(probe_every_rounds=0), "probe_every_rounds"),
+        (lambda: PolicyConfig(min_gain=0.99), "min_gain"),
+        (lambda: expected_committed([0.5, 1.5], 2), "acceptance[1]"),
+        (lambda: expected_committed([0.5], -1), "k"),
+        (lambda: predicted_tokens_per_s([0.5], 1, **_costs(rtt_s=-0.001)), "rtt_s"),
+        (lambda: predicted_tokens_per_s([0.5], 1, **_costs(batch=0)), "batch"),
+        (
+            lambda: choose_k([0.5], **_costs(), config=PolicyConfig(), max_tokens_left=0),
+            "max_tokens_left",
+        ),
+        (
+            lambda: fit_verify_cost([(1, 1, 0.01), (2, 0, 0.01)], VERIFY),
+            "samples[1] tokens_per_request",
+        ),
+        (lambda: fit_draft_cost([(1, -0.01)], CHEAP_DRAFT), "samples[0] seconds"),
+        (lambda: should_probe(-1, PolicyConfig()), "rounds_since_speculation"),
+        (lambda: AcceptanceEstimator(prior_alpha=1.5), "prior_alpha"),
+        (lambda: AcceptanceEstimator(prior_weight=0.0), "prior_weight"),
+        (lambda: AcceptanceEstimator(decay=0.0), "decay"),
+        (lambda: AcceptanceEstimator().update(2, 3), "num_accepted"),
+        (lambda: AcceptanceEstimator().update(-1, 0), "num_draft_tokens"),
+        (lambda: AcceptanceEstimator().acceptance(-1), "max_k"),
+    ],
+)
+def test_validation_errors_name_the_parameter(make, name):
+    with pytest.raises(ValueError, match=re.escape(name) + " must be"):
+        make()
