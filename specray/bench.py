@@ -364,7 +364,7 @@ def run_distributed_bench(config: BenchConfig) -> dict:
                 cluster=cluster.address,
             )
             engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))
-            stats = engine.backend.stats
+            stats = engine.runner.coordinator.stats
             rounds_before, bytes_before = stats.rounds, stats.draft_bytes
             run = _run_specray(engine, prompts, params)
             rounds = stats.rounds - rounds_before
@@ -395,9 +395,10 @@ def run_distributed_bench(config: BenchConfig) -> dict:
             _log(f"target-only step time, tp_size={tp_size}")
             engine = Engine(config.target, draft=None, cluster=cluster.address, tp_size=tp_size)
             engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))
-            rounds_before = engine.backend.stats.rounds
+            stats = engine.runner.coordinator.stats
+            rounds_before = stats.rounds
             run = _run_specray(engine, prompts[:2], params)
-            rounds = engine.backend.stats.rounds - rounds_before
+            rounds = stats.rounds - rounds_before
             engine.shutdown()
             tp_rows.append({"tp_size": tp_size, "round_ms": round(1e3 * run["wall_s"] / rounds, 2)})
     finally:

@@ -1,4 +1,4 @@
-"""``specray`` command line: generate, bench."""
+"""``specray`` command line: generate, bench, simulate."""
 
 from __future__ import annotations
 
@@ -64,8 +64,22 @@ def _build_parser() -> argparse.ArgumentParser:
         default="local",
         help="distributed: the distribution tax on a local multi-node Ray cluster",
     )
+    bench.add_argument(
+        "--concurrency",
+        metavar="1,4,16",
+        help="the coordinator under closed-loop load: target-only vs unpipelined vs pipelined "
+        "on a local multi-node Ray cluster (draft and target nodes, one core each)",
+    )
+    bench.add_argument("--draft", default="default", help="drafter for --concurrency")
+    bench.add_argument("--requests-per-client", type=int, default=2, help="for --concurrency")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per configuration")
+
+    simulate = commands.add_parser(
+        "simulate", help="the coordinator on simulated workers (discrete-event clock)"
+    )
+    simulate.add_argument("--config", required=True, metavar="FILE", help="YAML or JSON config")
+    simulate.add_argument("--json", action="store_true", help="print the rows as JSON")
     return parser
 
 
@@ -119,9 +133,47 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from specray.sim import format_table, load_sim_config, simulate
+
+    config = load_sim_config(args.config)
+    rows = simulate(config)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(f"simulated (discrete-event clock): {config.name}")
+        print(format_table(rows))
+    return 0
+
+
+def _serving_bench(args: argparse.Namespace) -> int:
+    from specray.bench_serving import (
+        ServingBenchConfig,
+        parse_concurrency,
+        print_serving_report,
+        run_serving_bench,
+    )
+
+    config = ServingBenchConfig(
+        target=args.target,
+        draft=args.draft,
+        concurrency=parse_concurrency(args.concurrency),
+        max_tokens=args.max_tokens,
+        requests_per_client=args.requests_per_client,
+    )
+    report = run_serving_bench(config)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_serving_report(report)
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from specray.bench import BenchConfig, parse_k, print_report, run_bench, run_distributed_bench
 
+    if args.concurrency:
+        return _serving_bench(args)
     config = BenchConfig(
         target=args.target,
         k=parse_k(args.k),
@@ -149,7 +201,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    handlers = {"generate": _generate, "bench": _bench}
+    handlers = {"generate": _generate, "bench": _bench, "simulate": _simulate}
     try:
         return handlers[args.command](args)
     except ValueError as error:  # invalid input: one clear line, no traceback

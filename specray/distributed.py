@@ -165,6 +165,9 @@ class RayTargetBackend:
     async def release(self, request_ids: list[str]) -> None:
         await self.backend.leader.release.remote(request_ids)
 
+    async def ping(self) -> None:
+        await self.backend.leader.ping.remote()
+
     async def held_requests(self) -> list[str]:
         return await self.backend.leader.held_requests.remote()
 
@@ -178,6 +181,9 @@ class RayDraftBackend:
 
     def available(self, worker: int) -> bool:
         return self.backend.draft_available(worker)
+
+    async def prefill(self, worker: int, items: list[dict]) -> dict:
+        return await self.backend.drafts[worker].prefill.remote(items)
 
     async def propose(self, worker: int, items: list[dict], draft_ahead: bool) -> dict:
         return await self.backend.drafts[worker].propose.remote(items, draft_ahead)

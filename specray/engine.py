@@ -39,6 +39,16 @@ from specray.sampling.rng import random_seed
 DEFAULT_MAX_BATCH_SIZE = 32  # requests decoded together; more wait and join as others finish
 
 
+def chat_token_ids(tokenizer, text: str) -> list[int]:
+    """One user turn through the tokenizer's chat template, ready for the assistant's reply."""
+    encoded = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
+    if hasattr(encoded, "keys"):
+        encoded = encoded["input_ids"]
+    return list(encoded)
+
+
 class EngineInputError(ValueError):
     """Bad input to the engine; the message names the parameter and the value."""
 
@@ -204,14 +214,7 @@ class Engine:
             if self.tokenizer is None:
                 raise EngineInputError("prompt text needs a tokenizer; pass token ids instead")
             if use_chat_template and getattr(self.tokenizer, "chat_template", None):
-                encoded = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                )
-                if hasattr(encoded, "keys"):
-                    encoded = encoded["input_ids"]
-                return list(encoded)
+                return chat_token_ids(self.tokenizer, prompt)
             return list(self.tokenizer.encode(prompt))
         token_ids = list(prompt)
         for token_id in token_ids:

@@ -186,6 +186,10 @@ class TargetWorker:
             self.inbox.forget(request_id)
 
     @ray.method(concurrency_group="control")
+    def ping(self) -> None:
+        """Answers at once (control group): the coordinator times it as the network RTT."""
+
+    @ray.method(concurrency_group="control")
     def held_requests(self) -> list[str]:
         """Requests with state here (KV cache rows and mirrored state): for leak checks."""
         return sorted(set(self.requests) | {str(seq_id) for seq_id in self.runner.seq_ids})

@@ -31,6 +31,10 @@ class TargetBackend(Protocol):
 
     async def release(self, request_ids: list[str]) -> None: ...
 
+    async def ping(self) -> None:
+        """A no-op call that never queues behind verification: measures the round trip."""
+        ...
+
     async def held_requests(self) -> list[str]:
         """Requests whose state (KV cache) the target holds: for tests and leak checks."""
         ...
@@ -41,6 +45,10 @@ class DraftBackend(Protocol):
 
     def available(self, worker: int) -> bool:
         """True when the worker can take work (False while a replacement starts)."""
+        ...
+
+    async def prefill(self, worker: int, items: list[dict]) -> dict:
+        """Take on new requests (state and KV cache); they run target-only until it is done."""
         ...
 
     async def propose(self, worker: int, items: list[dict], draft_ahead: bool) -> dict: ...

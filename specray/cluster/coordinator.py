@@ -57,6 +57,7 @@ from specray.sampling.rng import random_seed
 
 log = logging.getLogger(__name__)
 DRAFT_RETURN_WAIT_S = 1.0  # after its blocks were verified, a propose call returns within this
+RTT_PROBE_INTERVAL_S = 0.5  # how often the coordinator times a no-op call to the target
 COST_SAMPLES = 256  # recent timing samples kept for the cost fits
 # Cost priors until measurements arrive (seconds): verification barely growing with tokens and
 # a cheap draft, so speculation starts on and the fits take over within a few rounds.
@@ -159,6 +160,7 @@ class _Request:
     draft_worker: int | None = None
     target_knows: bool = False
     draft_known: int | None = None  # committed tokens the draft worker has seen (None: unseen)
+    draft_ready: bool = False  # the draft worker holds its state (prefill done)
     step: int = 0
     cancelled: bool = False
     first_token_s: float | None = None
@@ -221,7 +223,9 @@ class Coordinator:
         max_positions: int | None = None,
         tokenizer=None,
         model_name: str = "default",
+        request_id_prefix: str = "req-",
     ):
+        self._prefix = request_id_prefix
         self.target, self.drafts, self.config = target, drafts, config
         self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
         self.max_positions, self.tokenizer = max_positions, tokenizer
@@ -235,6 +239,8 @@ class Coordinator:
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Future] = set()  # replacements under way
+        # Incremented when a worker is replaced: failures of calls to an older one are ignored.
+        self._draft_generation = [0] * (drafts.num_workers if drafts else 0)
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -247,6 +253,7 @@ class Coordinator:
             asyncio.create_task(self._run_micro_batch(index), name=f"micro-batch-{index}")
             for index in range(self.config.num_micro_batches)
         ]
+        self._rtt_probe = asyncio.create_task(self._probe_rtt(), name="rtt-probe")
 
     async def stop(self, *, drain: bool = True) -> None:
         """Stop taking requests; finish the running ones (``drain``) or cancel them."""
@@ -256,6 +263,7 @@ class Coordinator:
                 request.cancelled = True
         self._wakeup.set()
         await asyncio.gather(*self._tasks)
+        self._rtt_probe.cancel()
 
     def reset_stats(self) -> None:
         self.stats = CoordinatorStats(started_s=self._loop.time())
@@ -287,7 +295,7 @@ class Coordinator:
             raise OverloadedError(
                 f"admission queue is full ({self.config.max_queue} waiting); retry later"
             )
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request_id or f"{self._prefix}{next(self._ids)}"
         seed = params.seed if params.seed is not None else random_seed()
         state = RequestState.create(
             request_id,
@@ -382,6 +390,22 @@ class Coordinator:
                     self._end(request, UnavailableError(f"target group failed: {error}"))
             self._update_gauges()
 
+    async def _probe_rtt(self) -> None:
+        """Time a no-op call to the target while requests run: the network term of the policy.
+        (A verify call's own latency would include queueing behind other micro-batches.)"""
+        while True:
+            await asyncio.sleep(RTT_PROBE_INTERVAL_S)
+            if not self.num_running:
+                continue
+            started = self._loop.time()
+            try:
+                await self.target.ping()
+            except Exception:  # a failing target shows up in the rounds; keep probing
+                continue
+            rtt_s = self._loop.time() - started
+            self.costs.add_rtt(rtt_s)
+            self.metrics.labels(self.metrics.network_latency).observe(rtt_s)
+
     async def _wait_for_work(self) -> None:
         """Sleep until a submit, an abort or the next waiting request's deadline."""
         deadlines = [r.deadline_s for r in self._waiting if r.deadline_s is not None]
@@ -457,7 +481,7 @@ class Coordinator:
         cap = min(self.config.num_speculative_tokens, remaining - 1)
         if cap <= 0 or self.drafts is None:
             return 0
-        if not self.drafts.available(request.draft_worker):
+        if not request.draft_ready or not self.drafts.available(request.draft_worker):
             return 0
         if not self.config.adaptive_k:
             return cap
@@ -479,8 +503,8 @@ class Coordinator:
         return k
 
     async def _round(self, batch: list[_Request]) -> None:
-        loop = self._loop
         requests = list(batch)
+        self._start_draft_prefills(requests)
         ks = [self._choose_k(request, len(requests)) for request in requests]
         target_items, draft_items = [], {}
         for request, k in zip(requests, ks, strict=True):
@@ -498,18 +522,16 @@ class Coordinator:
                 draft_items.setdefault(request.draft_worker, []).append(
                     self._draft_item(request, k)
                 )
-        started = loop.time()
         proposals = {
-            worker: asyncio.ensure_future(
+            (worker, self._draft_generation[worker]): asyncio.ensure_future(
                 self.drafts.propose(worker, items, self.config.draft_ahead)
             )
             for worker, items in draft_items.items()
         }
         reply = await self.target.verify(target_items, self.config.draft_deadline_s)
-        call_s = loop.time() - started
         late = any(r["dropped_reason"].startswith("deadline") for r in reply["results"])
         await self._collect_proposals(proposals, requests, 0 if late else DRAFT_RETURN_WAIT_S)
-        self._record_round(requests, ks, reply, call_s)
+        self._record_round(requests, reply)
         finished = []
         for request, result in zip(requests, reply["results"], strict=True):
             self._commit(request, result)
@@ -522,6 +544,35 @@ class Coordinator:
             await self._release(finished)
         for request in finished:
             self._end(request, None)
+
+    def _start_draft_prefills(self, requests: list[_Request]) -> None:
+        """Hand requests the draft worker has not seen to it; they go target-only meanwhile."""
+        if self.drafts is None or self.config.num_speculative_tokens == 0:
+            return
+        fresh: dict[int, list[_Request]] = {}
+        for request in requests:
+            worker = request.draft_worker
+            if request.draft_known is None and self.drafts.available(worker):
+                fresh.setdefault(worker, []).append(request)
+        for worker, new in fresh.items():
+            generation = self._draft_generation[worker]
+            items = [self._draft_item(request, 0) for request in new]
+            future = asyncio.ensure_future(self.drafts.prefill(worker, items))
+            self._background.add(future)
+            future.add_done_callback(self._background.discard)
+            future.add_done_callback(
+                lambda f, new=new, worker=worker, generation=generation: self._prefill_done(
+                    f, new, worker, generation
+                )
+            )
+
+    def _prefill_done(self, future, requests: list[_Request], worker: int, generation: int):
+        if future.exception() is not None:
+            self._draft_failed(worker, generation, future.exception())
+            return
+        if generation == self._draft_generation[worker]:
+            for request in requests:
+                request.draft_ready = True
 
     def _draft_item(self, request: _Request, k: int) -> dict:
         state = request.state
@@ -541,30 +592,19 @@ class Coordinator:
         return item
 
     async def _collect_proposals(self, proposals: dict, requests: list[_Request], wait_s) -> None:
-        for worker, future in proposals.items():
+        for key, future in proposals.items():
             done, _ = await asyncio.wait([future], timeout=wait_s)
             if not done:
                 # Slow worker: it keeps the call; it will be seen as failed or finished later.
-                future.add_done_callback(lambda f, w=worker: self._late_proposal(f, w))
+                future.add_done_callback(lambda f, key=key: self._proposal_done(f, *key))
                 continue
-            self._proposal_done(future, worker)
+            self._proposal_done(future, *key)
 
-    def _late_proposal(self, future: asyncio.Future, worker: int) -> None:
-        self._proposal_done(future, worker)
-
-    def _proposal_done(self, future: asyncio.Future, worker: int) -> None:
+    def _proposal_done(self, future: asyncio.Future, worker: int, generation: int) -> None:
         try:
             reply = future.result()
         except Exception as error:  # the worker died or its call failed: replace it
-            log.warning("draft worker %d failed (%s); continuing target-only", worker, error)
-            self.stats.draft_failures += 1
-            self.metrics.labels(self.metrics.draft_worker_restarts).inc()
-            for request in self._requests.values():
-                if request.draft_worker == worker:
-                    request.draft_known = None  # the replacement has seen nothing
-            replacement = asyncio.ensure_future(self.drafts.replace(worker))
-            self._background.add(replacement)
-            replacement.add_done_callback(self._background.discard)
+            self._draft_failed(worker, generation, error)
             return
         self.stats.draft_bytes += reply["bytes"]
         self.stats.reused_tokens += reply.get("reused_tokens", 0)
@@ -575,7 +615,21 @@ class Coordinator:
                 reply["num_requests"], reply["draft_s"] / reply["steps"], self.config.draft_prior
             )
 
-    def _record_round(self, requests, ks, reply, call_s: float) -> None:
+    def _draft_failed(self, worker: int, generation: int, error: BaseException) -> None:
+        if generation != self._draft_generation[worker]:
+            return  # a call to a worker that was already replaced
+        self._draft_generation[worker] += 1
+        log.warning("draft worker %d failed (%s); continuing target-only", worker, error)
+        self.stats.draft_failures += 1
+        self.metrics.labels(self.metrics.draft_worker_restarts).inc()
+        for request in self._requests.values():
+            if request.draft_worker == worker:
+                request.draft_known, request.draft_ready = None, False  # the new one knows none
+        replacement = asyncio.ensure_future(self.drafts.replace(worker))
+        self._background.add(replacement)
+        replacement.add_done_callback(self._background.discard)
+
+    def _record_round(self, requests, reply) -> None:
         compute_s, wait_s = reply["compute_s"], reply["wait_s"]
         self.stats.rounds += 1
         self.stats.target_compute_s += compute_s
@@ -583,10 +637,6 @@ class Coordinator:
         self.metrics.labels(self.metrics.target_busy_seconds).inc(compute_s)
         self.metrics.labels(self.metrics.pipeline_bubble_seconds).inc(wait_s)
         self.metrics.labels(self.metrics.verify_latency).observe(compute_s)
-        network_s = max(call_s - reply["service_s"], 0.0)
-        self.metrics.labels(self.metrics.network_latency).observe(network_s)
-        if any(ks):
-            self.costs.add_rtt(network_s)
         widest = max(len(r["token_ids"]) + (r["num_draft_tokens"] - r["num_accepted"])
                      for r in reply["results"])  # fmt: skip
         self.costs.add_verify(len(requests), widest, compute_s, self.config.verify_prior)

@@ -81,9 +81,7 @@ class CoordinatorMetrics:
         )
         self.draft_latency = histogram("draft_latency_seconds", "Draft worker time per call.")
         self.network_latency = histogram(
-            "network_latency_seconds",
-            "Coordinator-to-target call time minus the target's service time "
-            "(transport and queueing).",
+            "network_latency_seconds", "Round trip of a no-op call to the target group."
         )
         self.verify_latency = histogram("verify_latency_seconds", "Target verification compute.")
         self.wire_bytes = counter("draft_wire_bytes", "Draft block bytes sent draft -> target.")

@@ -1,0 +1,248 @@
+"""``specray bench --concurrency 1,4,16``: the coordinator under concurrent load, side by side.
+
+A local multi-node Ray cluster (a head that only drives, a draft node and a target node with one
+core each) serves closed-loop clients: ``C`` clients each send their next prompt as soon as the
+previous one finished. For every concurrency, three schedules run on the same workers in one
+run: target-only, the unpipelined coordinator (one micro-batch: draft, then verify) and the
+pipelined one (two micro-batches plus draft-ahead), both with adaptive k. Reported per row:
+tokens/s, speedup over target-only, p50/p95 gap between streamed chunks, time per output token,
+target busy fraction, α, mean k, and at concurrency 1 the fraction of DESIGN.md's pipelined
+bound ``E / max(verify(K+1)/verify(1) + r/T, K·c)`` reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from specray.bench import acceptance_from_mean_length, load_prompts
+from specray.cluster.coordinator import Coordinator, CoordinatorConfig
+from specray.cluster.local import CoordinatorThread
+from specray.cluster.placement import PlacementConfig
+from specray.engine import chat_token_ids
+from specray.outputs import SpecDecodeMetrics
+from specray.sampling import SamplingParams
+
+MODES = ("target-only", "unpipelined", "pipelined")
+
+
+@dataclass(frozen=True)
+class ServingBenchConfig:
+    target: str = "default"
+    draft: str = "default"
+    concurrency: tuple[int, ...] = (1, 4, 16)
+    max_tokens: int = 32
+    requests_per_client: int = 2
+    num_speculative_tokens: int = 8  # the largest k the policy may choose
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "requests_per_client", "num_speculative_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.concurrency or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.concurrency
+        ):
+            raise ValueError(f"concurrency must be positive integers, got {self.concurrency!r}")
+
+
+def parse_concurrency(value: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise ValueError(f"concurrency must be like 1,4,16, got {value!r}") from None
+    if not levels or min(levels) < 1:
+        raise ValueError(f"concurrency must be positive integers, got {value!r}")
+    return levels
+
+
+def _log(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(int(fraction * len(ordered)), len(ordered) - 1)]
+
+
+def _mode_config(mode: str, config: ServingBenchConfig, concurrency: int) -> CoordinatorConfig:
+    pipelined = mode == "pipelined"
+    return CoordinatorConfig(
+        max_running=max(concurrency, 1),
+        max_queue=max(concurrency, 1),
+        num_micro_batches=2 if pipelined else 1,
+        num_speculative_tokens=0 if mode == "target-only" else config.num_speculative_tokens,
+        adaptive_k=True,
+        draft_ahead=pipelined,
+    )
+
+
+async def _closed_loop(coordinator: Coordinator, prompts, params, concurrency, per_client):
+    """``concurrency`` clients, each sending ``per_client`` prompts one after the other."""
+
+    async def client(index: int) -> list:
+        outputs = []
+        for turn in range(per_client):
+            prompt = prompts[(index * per_client + turn) % len(prompts)]
+            stream = await coordinator.submit(prompt, params)
+            outputs.append(await stream.result())
+        return outputs
+
+    results = await asyncio.gather(*(client(index) for index in range(concurrency)))
+    return [output for outputs in results for output in outputs]
+
+
+def _run_mode(backend, info, mode, config, concurrency, prompts, params) -> dict:
+    from specray.distributed import RayDraftBackend, RayTargetBackend
+
+    coordinator_config = _mode_config(mode, config, concurrency)
+    runner = CoordinatorThread(
+        lambda: Coordinator(
+            RayTargetBackend(backend),
+            RayDraftBackend(backend) if mode != "target-only" else None,
+            coordinator_config,
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
+            max_positions=info.max_positions,
+            request_id_prefix=f"c{concurrency}-{mode}-",
+        )
+    )
+    coordinator = runner.coordinator
+    try:
+        # Warm-up: one short request fits the cost model before the clock starts.
+        runner.call(_closed_loop(coordinator, prompts[:1], params, 1, 1))
+        runner.call(_reset(coordinator))
+        started = time.perf_counter()
+        outputs = runner.call(
+            _closed_loop(coordinator, prompts, params, concurrency, config.requests_per_client)
+        )
+        wall_s = time.perf_counter() - started
+        stats, costs = coordinator.stats, coordinator.costs
+    finally:
+        runner.stop()
+    metrics = SpecDecodeMetrics()
+    for output in outputs:
+        metrics.merge(output.metrics)
+    tokens = sum(len(output.token_ids) for output in outputs)
+    gaps = [gap for output in outputs for gap in output.chunk_gaps_s]
+    tpot = [
+        (o.latency_s - o.time_to_first_token_s) / (len(o.token_ids) - 1)
+        for o in outputs
+        if len(o.token_ids) > 1
+    ]
+    mean_k = metrics.num_draft_tokens / max(metrics.num_drafts, 1)
+    return {
+        "concurrency": concurrency,
+        "mode": mode,
+        "tokens_per_s": tokens / wall_s,
+        "requests": len(outputs),
+        "tokens": tokens,
+        "wall_s": wall_s,
+        "itl_p50_s": _percentile(gaps, 0.5),
+        "itl_p95_s": _percentile(gaps, 0.95),
+        "tpot_mean_s": statistics.fmean(tpot) if tpot else 0.0,
+        "ttft_p50_s": _percentile([o.time_to_first_token_s for o in outputs], 0.5),
+        "target_busy_fraction": min(stats.target_compute_s / wall_s, 1.0),
+        "bubble_s": stats.target_wait_s,
+        "acceptance_rate": metrics.acceptance_rate,
+        "mean_acceptance_length": metrics.mean_acceptance_length,
+        "mean_k": mean_k,
+        "speculated_fraction": metrics.num_drafts / max(metrics.num_target_steps, 1),
+        "reused_tokens": stats.reused_tokens,
+        "bytes_per_token": stats.draft_bytes / max(tokens, 1),
+        "draft_step_s": costs.draft.seconds(1),
+        "verify_cost": asdict(costs.verify),
+        "rtt_s": costs.rtt_s,
+        "outputs": [output.token_ids for output in outputs],
+    }
+
+
+async def _reset(coordinator: Coordinator) -> None:
+    coordinator.reset_stats()
+
+
+def pipelined_bound(row: dict, target_only: dict) -> float:
+    """DESIGN.md section 5 at batch 1: E / max(verify(K+1)/verify(1) + r/T, K·c)."""
+    k = max(round(row["mean_k"]), 1)
+    alpha = acceptance_from_mean_length(row["mean_acceptance_length"], k)
+    expected = sum(alpha**i for i in range(k + 1))
+    verify = row["verify_cost"]
+
+    def step(tokens: int) -> float:
+        return verify["fixed_s"] + verify["per_request_s"] + verify["per_token_s"] * tokens
+
+    target_step_s = 1.0 / target_only["tokens_per_s"]
+    ratio = step(k + 1) / step(1)
+    c = row["draft_step_s"] / target_step_s
+    return expected / max(ratio + row["rtt_s"] / target_step_s, k * c)
+
+
+def run_serving_bench(config: ServingBenchConfig) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from specray.distributed import DistributedBackend
+    from specray.models.loading import load_model_info
+
+    info = load_model_info(config.target, param="target")
+    texts = [item["prompt"] for item in load_prompts(24)]
+    prompts = [chat_token_ids(info.tokenizer, text) for text in texts]
+    params = SamplingParams(
+        temperature=config.temperature, max_tokens=config.max_tokens, ignore_eos=True, seed=0
+    )
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster.add_node(num_cpus=1, resources={"draft": 1})
+    cluster.add_node(num_cpus=1, resources={"target": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    placement = PlacementConfig(draft_num_cpus=1, target_num_cpus=1)
+    rows = []
+    try:
+        _log(f"starting workers: target={config.target} draft={config.draft}")
+        backend = DistributedBackend(config.target, config.draft, placement=placement)
+        for concurrency in config.concurrency:
+            for mode in MODES:
+                _log(f"concurrency {concurrency}: {mode}")
+                rows.append(_run_mode(backend, info, mode, config, concurrency, prompts, params))
+        backend.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    by_key = {(row["concurrency"], row["mode"]): row for row in rows}
+    for row in rows:
+        baseline = by_key[(row["concurrency"], "target-only")]
+        row["speedup"] = row["tokens_per_s"] / baseline["tokens_per_s"]
+        row["pipelined_over_unpipelined"] = (
+            row["tokens_per_s"] / by_key[(row["concurrency"], "unpipelined")]["tokens_per_s"]
+        )
+        row["matches_target_only"] = row["outputs"] == baseline["outputs"]
+        if row["mode"] != "target-only" and row["mean_k"] > 0 and row["concurrency"] == 1:
+            bound = pipelined_bound(row, baseline)
+            row["pipelined_bound"] = bound
+            row["fraction_of_bound"] = row["speedup"] / bound
+    for row in rows:
+        del row["outputs"]
+    return {"config": asdict(config), "rows": rows}
+
+
+def print_serving_report(report: dict) -> None:
+    header = (
+        f"{'conc':>4} {'mode':<12} {'tok/s':>7} {'speedup':>7} {'vs unpip':>8} {'itl p50':>8} "
+        f"{'itl p95':>8} {'busy':>5} {'alpha':>5} {'k':>4} {'bound%':>6} {'greedy=':>7}"
+    )
+    print(header)
+    for row in report["rows"]:
+        bound = row.get("fraction_of_bound")
+        print(
+            f"{row['concurrency']:>4} {row['mode']:<12} {row['tokens_per_s']:>7.2f} "
+            f"{row['speedup']:>7.2f} {row['pipelined_over_unpipelined']:>8.2f} "
+            f"{row['itl_p50_s'] * 1e3:>6.0f}ms {row['itl_p95_s'] * 1e3:>6.0f}ms "
+            f"{row['target_busy_fraction']:>5.2f} {row['acceptance_rate']:>5.2f} "
+            f"{row['mean_k']:>4.1f} {'' if bound is None else f'{100 * bound:.0f}':>6} "
+            f"{'yes' if row['matches_target_only'] else 'NO':>7}"
+        )

@@ -1,0 +1,189 @@
+"""The coordinator on real Ray workers exchanging blocks over real gRPC: exactness through
+pipelining, draft-ahead, adaptive k and a draft worker killed mid-run; admission; release of
+worker state on cancellation and deadlines."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+
+from specray import Engine, SamplingParams
+from specray.cluster.coordinator import Coordinator, CoordinatorConfig
+from specray.cluster.local import CoordinatorThread
+from specray.cluster.policy import PolicyConfig
+from specray.distributed import DistributedBackend, RayDraftBackend, RayTargetBackend
+from specray.errors import DeadlineExceededError, OverloadedError, RequestCancelledError
+from tests.helpers.tiny_models import exact_sequence_probs
+from tests.statistical.test_engine_distribution import chi_square_fit
+
+ALPHA = 0.001  # significance level of the statistical tests
+PIPELINED = CoordinatorConfig(
+    max_running=64,
+    max_queue=1 << 20,
+    num_micro_batches=2,
+    num_speculative_tokens=3,
+    adaptive_k=True,
+    draft_ahead=True,
+    draft_deadline_s=2.0,
+    # Probe every other round: the adaptive policy keeps choosing, and speculation is exercised.
+    policy=PolicyConfig(probe_every_rounds=2, probe_k=2),
+)
+
+
+def _sample_and_fit(engine, target_model, prompt, num_samples, length, seed_offset=0):
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, seed=seed_offset + i)
+        for i in range(num_samples)
+    ]
+    outputs = engine.generate([prompt] * num_samples, params)
+    samples = [tuple(output.token_ids) for output in outputs]
+    exact = exact_sequence_probs(target_model, prompt, params[0], length)
+    wrong = exact_sequence_probs(target_model, prompt, SamplingParams(temperature=0.6), length)
+    return outputs, chi_square_fit(samples, exact), chi_square_fit(samples, wrong)
+
+
+def test_pipelined_adaptive_sampling_follows_the_target_through_a_draft_kill(cluster, tiny_pair):
+    """n = 2000 sequences of length 4, seeds 0..1999, chi-square at ALPHA = 0.001 against the
+    target's exact law, through 2 micro-batches, adaptive k, draft-ahead and a draft worker
+    killed mid-run; the same samples must be rejected against temperature 0.6 (negative
+    control)."""
+    target_model, target_dir, draft_dir = tiny_pair
+    engine = Engine(target_dir, draft=draft_dir, cluster=cluster[0].address, coordinator=PIPELINED)
+    try:
+        stats = engine.runner.coordinator.stats
+        killer = threading.Timer(2.0, lambda: ray.kill(engine.backend.drafts[0], no_restart=True))
+        killer.start()
+        outputs, fit, control = _sample_and_fit(engine, target_model, [1, 2, 3, 1], 2000, 4)
+        killer.join()
+        failures = stats.draft_failures
+    finally:
+        engine.shutdown()
+    assert failures == 1, "the draft worker was killed mid-run"
+    assert fit.impossible_count == 0 and fit.p_value > ALPHA, fit.describe()
+    assert control.p_value < ALPHA, "negative control must be rejected"
+    steps = sum(output.metrics.num_target_steps for output in outputs)
+    drafted = sum(output.metrics.num_draft_tokens for output in outputs)
+    assert sum(output.metrics.num_accepted_tokens for output in outputs) > 0
+    assert 0 < drafted < 3 * steps, "k varied between 0 and 3"
+
+
+def test_draft_ahead_sampling_follows_the_target(cluster, tiny_pair):
+    """One micro-batch, fixed k = 1, draft-ahead on: drafts made while a block was verified are
+    reused when their assumed history was committed. n = 2000, length 4, seeds 10000..11999,
+    chi-square at ALPHA = 0.001; negative control as above."""
+    target_model, target_dir, draft_dir = tiny_pair
+    config = CoordinatorConfig(
+        max_running=16,
+        max_queue=1 << 20,
+        num_micro_batches=1,
+        num_speculative_tokens=1,
+        adaptive_k=False,
+        draft_ahead=True,
+    )
+    engine = Engine(target_dir, draft=draft_dir, cluster=cluster[0].address, coordinator=config)
+    try:
+        stats = engine.runner.coordinator.stats
+        _, fit, control = _sample_and_fit(engine, target_model, [4, 0], 2000, 4, 10_000)
+        reused = stats.reused_tokens
+    finally:
+        engine.shutdown()
+    assert reused > 0, "some drafts made ahead were kept"
+    assert fit.impossible_count == 0 and fit.p_value > ALPHA, fit.describe()
+    assert control.p_value < ALPHA, "negative control must be rejected"
+
+
+def test_greedy_identity_with_many_concurrent_requests_of_different_lengths(cluster):
+    prompts = [
+        "Write a haiku about the sea.",
+        "Name three primary colors.",
+        "def fibonacci(n):",
+        "Summarize: the cat sat on the mat.",
+        "What is 2 + 2?",
+        "List four fruits.",
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4 + 3 * index, ignore_eos=True)
+        for index in range(len(prompts))
+    ]
+    reference = Engine("default", draft=None).generate(prompts, params)
+    config = CoordinatorConfig(
+        num_micro_batches=2, num_speculative_tokens=4, draft_ahead=True, draft_deadline_s=5.0
+    )
+    # The fp32 self-draft batches well on CPU (bf16 does not) and keeps this test short.
+    engine = Engine("default", draft="self:fp32", cluster=cluster[0].address, coordinator=config)
+    try:
+        outputs = engine.generate(prompts, params)
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
+    assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params]
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(cluster, tiny_pair):
+    backend = DistributedBackend(tiny_pair[1], tiny_pair[2])
+    yield backend
+    backend.shutdown()
+
+
+def _coordinator(backend, **overrides) -> CoordinatorThread:
+    config = CoordinatorConfig(**({"num_speculative_tokens": 2} | overrides))
+    return CoordinatorThread(
+        lambda: Coordinator(
+            RayTargetBackend(backend), RayDraftBackend(backend), config, vocab_size=5
+        )
+    )
+
+
+def _held(backend) -> tuple[list[str], list[str]]:
+    return ray.get(backend.leader.held_requests.remote()), ray.get(
+        backend.drafts[0].held_requests.remote()
+    )
+
+
+def test_full_queue_refuses_at_once(tiny_backend):
+    runner = _coordinator(tiny_backend, max_running=1, max_queue=2)
+    long = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=1)
+    try:
+        streams = [runner.submit([1, 2], long, request_id=f"q{i}") for i in range(3)]
+        started = time.monotonic()
+        with pytest.raises(OverloadedError, match="queue is full"):
+            runner.submit([1, 2], long, request_id="q3")
+        assert time.monotonic() - started < 0.5, "refused at once"
+        assert all(len(stream.result().token_ids) == 40 for stream in streams)
+        # Capacity came back: the next request is admitted and served.
+        assert len(runner.submit([1, 2], long, request_id="q4").result().token_ids) == 40
+    finally:
+        runner.stop()
+    assert _held(tiny_backend) == ([], [])
+
+
+def test_cancel_and_deadline_release_worker_state(tiny_backend):
+    runner = _coordinator(tiny_backend, max_running=4)
+    long = SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=2)
+    try:
+        cancelled = runner.submit([1, 2, 3], long, request_id="cancel-me")
+        expiring = runner.submit([3, 2, 1], long, request_id="expire-me", timeout_s=0.4)
+        survivor = runner.submit([2, 2], long, request_id="keep-me")
+        first = next(iter(cancelled))
+        assert first.token_ids, "it was running"
+        deadline = time.monotonic() + 10  # the draft takes new requests on in the background
+        while "cancel-me" not in _held(tiny_backend)[1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        target_held, draft_held = _held(tiny_backend)
+        assert "cancel-me" in target_held and "cancel-me" in draft_held
+        runner.abort("cancel-me")
+        with pytest.raises(RequestCancelledError):
+            cancelled.result()
+        with pytest.raises(DeadlineExceededError, match="deadline"):
+            expiring.result()
+        target_held, draft_held = _held(tiny_backend)
+        for request_id in ("cancel-me", "expire-me"):
+            assert request_id not in target_held and request_id not in draft_held
+        assert len(survivor.result().token_ids) == 60
+    finally:
+        runner.stop()
+    assert _held(tiny_backend) == ([], [])
