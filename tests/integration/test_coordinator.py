@@ -59,6 +59,7 @@ def test_pipelined_adaptive_sampling_follows_the_target_through_a_draft_kill(clu
         outputs, fit, control = _sample_and_fit(engine, target_model, [1, 2, 3, 1], 2000, 4)
         killer.join()
         failures = stats.draft_failures
+        exported = _samples(engine.runner.coordinator.metrics.render().decode())
     finally:
         engine.shutdown()
     assert failures == 1, "the draft worker was killed mid-run"
@@ -68,6 +69,35 @@ def test_pipelined_adaptive_sampling_follows_the_target_through_a_draft_kill(clu
     drafted = sum(output.metrics.num_draft_tokens for output in outputs)
     assert sum(output.metrics.num_accepted_tokens for output in outputs) > 0
     assert 0 < drafted < 3 * steps, "k varied between 0 and 3"
+    # Prometheus counters carry vLLM's names and agree with the per-request metrics.
+    label = '{model_name="default"}'
+    totals = {
+        "num_drafts": sum(o.metrics.num_drafts for o in outputs),
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": sum(o.metrics.num_accepted_tokens for o in outputs),
+    }
+    for name, total in totals.items():
+        assert exported[f"specray:spec_decode_{name}_total{label}"] == total
+    first_position = (
+        'specray:spec_decode_num_accepted_tokens_per_pos_total{model_name="default",position="0"}'
+    )
+    assert exported[first_position] == sum(
+        o.metrics.accepted_per_position[0] for o in outputs if o.metrics.accepted_per_position
+    )
+    assert exported[f"specray:generation_tokens_total{label}"] == 4 * len(outputs)
+    assert exported[f"specray:draft_worker_restarts_total{label}"] == 1
+    assert 0 < exported[f"specray:target_busy_fraction{label}"] <= 1
+    assert exported[f"specray:verify_latency_seconds_count{label}"] > 0
+
+
+def _samples(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {series: value}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            out[series] = float(value)
+    return out
 
 
 def test_draft_ahead_sampling_follows_the_target(cluster, tiny_pair):
