@@ -75,11 +75,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per configuration")
 
-    simulate = commands.add_parser(
-        "simulate", help="the coordinator on simulated workers (discrete-event clock)"
-    )
-    simulate.add_argument("--config", required=True, metavar="FILE", help="YAML or JSON config")
-    simulate.add_argument("--json", action="store_true", help="print the rows as JSON")
+    from specray.sim.cli import add_simulate_parser
+
+    add_simulate_parser(commands)
     return parser
 
 
@@ -134,16 +132,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from specray.sim import format_table, load_sim_config, simulate
+    from specray.sim.cli import run_simulate
 
-    config = load_sim_config(args.config)
-    rows = simulate(config)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print(f"simulated (discrete-event clock): {config.name}")
-        print(format_table(rows))
-    return 0
+    return run_simulate(args)
 
 
 def _serving_bench(args: argparse.Namespace) -> int:

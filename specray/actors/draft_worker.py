@@ -117,10 +117,7 @@ class DraftWorker:
             if self._outbox is None:
                 self._open_stream()
             states = [self._sync_state(item) for item in round_spec]
-            reused = [
-                self._reusable(state, item["k"])
-                for state, item in zip(states, round_spec, strict=True)
-            ]
+            reused = [len(self._reusable(state)) for state in states]  # before extending
             steps = self._extend(states, [item["k"] for item in round_spec])
             sent_bytes = 0
             for item, state in zip(round_spec, states, strict=True):
@@ -145,7 +142,7 @@ class DraftWorker:
                 "draft_s": time.perf_counter() - started,
                 "steps": steps,
                 "reused_tokens": sum(
-                    min(len(r), item["k"]) for r, item in zip(reused, round_spec, strict=True)
+                    min(count, item["k"]) for count, item in zip(reused, round_spec, strict=True)
                 ),
                 "ahead_tokens": ahead,
             }
@@ -185,7 +182,7 @@ class DraftWorker:
             )
         return state
 
-    def _reusable(self, state: RequestState, k: int) -> list:
+    def _reusable(self, state: RequestState) -> list:
         """Drafts made earlier whose assumed history is now committed (they are kept)."""
         request_id = state.request_id
         base, speculated = self._spec_base[request_id], self.speculated[request_id]

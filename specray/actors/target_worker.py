@@ -100,13 +100,15 @@ class TargetWorker:
         request's first round (or to replay after a restart) ``prompt_token_ids``, ``params``,
         ``seed`` and ``output_token_ids``. Returns per request the committed tokens, counts and
         finish reason, plus why a block was dropped (if it was); and the round's timing:
-        ``wait_s`` (waiting for blocks), ``compute_s`` (forward and verification), ``service_s``.
+        ``wait_s`` (waiting for blocks), ``compute_s`` (prefill, forward and verification),
+        ``prefill_s`` (of requests new here), ``service_s``.
         """
         entered = time.perf_counter()
         fresh = [item for item in round_spec if item["request_id"] not in self.requests]
         for item in fresh:
             state = RequestState.from_spec(item, self.vocab_size, self.eos_token_ids)
             self.requests[state.request_id] = state
+        prefill_started = time.perf_counter()
         if fresh:
             self.core.prefill(
                 [self._replay_view(self.requests[item["request_id"]]) for item in fresh]
@@ -120,6 +122,7 @@ class TargetWorker:
                 )
         keys = [(item["request_id"], item["step"]) for item in round_spec if item["expect_draft"]]
         waited = time.perf_counter()
+        prefill_s = waited - prefill_started
         arrived = self.inbox.take(keys, time.monotonic() + draft_deadline_s) if keys else {}
         wait_s = time.perf_counter() - waited
         blocks, dropped = {}, {}
@@ -163,7 +166,8 @@ class TargetWorker:
         return {
             "results": results,
             "wait_s": wait_s,
-            "compute_s": service_s - wait_s,
+            "compute_s": service_s - wait_s,  # prefill included: busy is busy
+            "prefill_s": prefill_s,
             "service_s": service_s,
         }
 

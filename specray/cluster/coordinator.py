@@ -56,9 +56,11 @@ from specray.sampling import MAX_SPEC_LEN, SamplingParams
 from specray.sampling.rng import random_seed
 
 log = logging.getLogger(__name__)
-DRAFT_RETURN_WAIT_S = 1.0  # after its blocks were verified, a propose call returns within this
 RTT_PROBE_INTERVAL_S = 0.5  # how often the coordinator times a no-op call to the target
 COST_SAMPLES = 256  # recent timing samples kept for the cost fits
+GROUP_ACCEPTANCE_DECAY = 0.99  # the group's running acceptance: new requests start from it
+REQUEST_PRIOR_WEIGHT = 4.0  # pseudo-observations of that prior in a request's own estimate
+REFIT_EVERY = 8  # refit the cost models every this many samples (a fit costs ~ms of CPU)
 # Cost priors until measurements arrive (seconds): verification barely growing with tokens and
 # a cheap draft, so speculation starts on and the fits take over within a few rounds.
 DEFAULT_VERIFY_PRIOR = VerifyCost(fixed_s=0.05, per_request_s=0.01, per_token_s=0.003)
@@ -177,14 +179,20 @@ class _Costs:
     rtt_s: float
     verify_samples: list = field(default_factory=list)  # (batch, tokens per request, seconds)
     draft_samples: list = field(default_factory=list)  # (batch, seconds per step)
+    num_verify: int = 0  # samples ever added
+    num_draft: int = 0
 
     def add_verify(self, batch: int, tokens: int, seconds: float, prior: VerifyCost) -> None:
         self.verify_samples = [*self.verify_samples[-COST_SAMPLES + 1 :], (batch, tokens, seconds)]
-        self.verify = fit_verify_cost(self.verify_samples, prior)
+        self.num_verify += 1
+        if self.num_verify <= REFIT_EVERY or self.num_verify % REFIT_EVERY == 0:
+            self.verify = fit_verify_cost(self.verify_samples, prior)
 
     def add_draft(self, batch: int, seconds_per_step: float, prior: DraftCost) -> None:
         self.draft_samples = [*self.draft_samples[-COST_SAMPLES + 1 :], (batch, seconds_per_step)]
-        self.draft = fit_draft_cost(self.draft_samples, prior)
+        self.num_draft += 1
+        if self.num_draft <= REFIT_EVERY or self.num_draft % REFIT_EVERY == 0:
+            self.draft = fit_draft_cost(self.draft_samples, prior)
 
     def add_rtt(self, seconds: float) -> None:
         self.rtt_s = 0.9 * self.rtt_s + 0.1 * max(seconds, 0.0)
@@ -233,6 +241,7 @@ class Coordinator:
         self.costs = _Costs(config.verify_prior, config.draft_prior, config.rtt_prior_s)
         self.stats = CoordinatorStats()
         self._ids = itertools.count()
+        self._group_acceptance = AcceptanceEstimator(decay=GROUP_ACCEPTANCE_DECAY)
         self._waiting: list[_Request] = []
         self._batches: list[list[_Request]] = [[] for _ in range(config.num_micro_batches)]
         self._requests: dict[str, _Request] = {}
@@ -311,7 +320,7 @@ class Coordinator:
             stream=RequestStream(request_id),
             arrival_s=now,
             deadline_s=now + timeout_s if timeout_s is not None else None,
-            estimator=AcceptanceEstimator(),
+            estimator=self._new_estimator(),
         )
         self._requests[request_id] = request
         self._waiting.append(request)
@@ -319,6 +328,14 @@ class Coordinator:
         self._update_gauges()
         self._wakeup.set()
         return request.stream
+
+    def _new_estimator(self) -> AcceptanceEstimator:
+        """A request starts from what this group's requests accepted lately, not from a fixed
+        guess: one early rejection then does not switch a good draft off."""
+        group_alpha = self._group_acceptance.acceptance(1)[0]
+        return AcceptanceEstimator(
+            prior_alpha=min(max(group_alpha, 0.05), 0.95), prior_weight=REQUEST_PRIOR_WEIGHT
+        )
 
     def _check_request(self, prompt_token_ids, params, request_id, timeout_s) -> None:
         if not isinstance(params, SamplingParams):
@@ -529,8 +546,8 @@ class Coordinator:
             for worker, items in draft_items.items()
         }
         reply = await self.target.verify(target_items, self.config.draft_deadline_s)
-        late = any(r["dropped_reason"].startswith("deadline") for r in reply["results"])
-        await self._collect_proposals(proposals, requests, 0 if late else DRAFT_RETURN_WAIT_S)
+        for key, future in proposals.items():  # replies arrive in the background
+            future.add_done_callback(lambda f, key=key: self._proposal_done(f, *key))
         self._record_round(requests, reply)
         finished = []
         for request, result in zip(requests, reply["results"], strict=True):
@@ -591,15 +608,6 @@ class Coordinator:
         request.draft_known = len(state.output_token_ids)
         return item
 
-    async def _collect_proposals(self, proposals: dict, requests: list[_Request], wait_s) -> None:
-        for key, future in proposals.items():
-            done, _ = await asyncio.wait([future], timeout=wait_s)
-            if not done:
-                # Slow worker: it keeps the call; it will be seen as failed or finished later.
-                future.add_done_callback(lambda f, key=key: self._proposal_done(f, *key))
-                continue
-            self._proposal_done(future, *key)
-
     def _proposal_done(self, future: asyncio.Future, worker: int, generation: int) -> None:
         try:
             reply = future.result()
@@ -639,7 +647,9 @@ class Coordinator:
         self.metrics.labels(self.metrics.verify_latency).observe(compute_s)
         widest = max(len(r["token_ids"]) + (r["num_draft_tokens"] - r["num_accepted"])
                      for r in reply["results"])  # fmt: skip
-        self.costs.add_verify(len(requests), widest, compute_s, self.config.verify_prior)
+        # Prefill of requests new to the target is busy time, but not the cost of a round.
+        verify_s = compute_s - reply.get("prefill_s", 0.0)
+        self.costs.add_verify(len(requests), widest, verify_s, self.config.verify_prior)
         elapsed = self._loop.time() - self.stats.started_s
         if elapsed > 0:
             busy = min(self.stats.target_compute_s / elapsed, 1.0)
@@ -652,6 +662,7 @@ class Coordinator:
         self.metrics.record_round(num_draft, num_accepted)
         if num_draft:
             request.estimator.update(num_draft, num_accepted)
+            self._group_acceptance.update(num_draft, num_accepted)
         if result["dropped_reason"]:
             self.stats.dropped_blocks += 1
             reason = result["dropped_reason"].split(":")[0]

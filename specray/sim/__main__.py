@@ -1,0 +1,5 @@
+import sys
+
+from specray.sim.cli import main
+
+sys.exit(main())

@@ -1,0 +1,404 @@
+"""Simulated target group and draft workers for the coordinator, on virtual time.
+
+They implement :class:`specray.cluster.backends.TargetBackend` / ``DraftBackend`` with the same
+items and reply fields as the real workers (:mod:`specray.actors`), but instead of running
+models they spend virtual time from a :class:`~specray.sim.model.LatencyModel` and draw the
+number of accepted drafts from an :class:`~specray.sim.model.AcceptanceModel`. Every committed
+token is token id 1 (the simulated coordinator has no stop tokens), so a request ends exactly
+when it reaches its ``max_tokens``.
+
+Timing, as in the real system:
+* a coordinator -> worker call reaches the worker ``rtt_s / 2 + coordinator_overhead_s`` after
+  it is made and its reply takes ``rtt_s / 2`` back;
+* each worker runs its calls one at a time, in arrival order (the target's verify and release
+  calls share one queue, as in the actor's default concurrency group);
+* a draft block reaches the target's :class:`SimInbox` ``rtt_s / 2`` after the draft worker
+  finished drafting its call's blocks; the verdict reaches the draft ``rtt_s / 2`` after the
+  verification;
+* the target waits for the expected blocks until ``draft_deadline_s`` (``wait_s``), then spends
+  ``verify.seconds(batch, 1 + longest block)`` (``compute_s``, plus any prefill).
+
+Draft-ahead: after sending its blocks the draft worker keeps drafting, one step for all open
+requests at a time, while no other call is waiting for it and, per request, the verdict has not
+arrived and fewer than k + 1 tokens are ahead. A fully accepted block whose bonus token matches
+the draft's own guess (probability ``bonus_match``, drawn by the target) makes the tokens
+drafted after the guess valid: the next call reuses them (``reused_tokens``) and drafts only the
+rest. Like the real worker, ``release`` waits behind a running call without cutting a
+draft-ahead short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+from specray.sim.model import AcceptanceModel, LatencyModel
+
+SIM_TOKEN_ID = 1  # every committed token; never a stop token in the simulation
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+async def _sleep(seconds: float) -> None:
+    if seconds > 0:
+        await asyncio.sleep(seconds)
+
+
+@dataclass
+class _Block:
+    num_tokens: int
+    num_committed: int  # committed tokens the block was drafted from
+    arrive_s: float  # when it reaches the target
+
+
+@dataclass
+class _Verdict:
+    step: int
+    arrive_s: float  # when it reaches the draft worker
+    ahead_valid: bool  # all drafts accepted and the bonus token was the draft's own guess
+
+
+class SimInbox:
+    """The target's block inbox, keyed by (request_id, step), and the verdicts sent back."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[tuple[str, int], _Block] = {}
+        self._verified_step: dict[str, int] = {}  # blocks for older steps are dropped on arrival
+        self._verdicts: dict[str, _Verdict] = {}
+        self._waiters: list[asyncio.Future] = []
+
+    def deposit(self, request_id: str, step: int, block: _Block) -> None:
+        if step <= self._verified_step.get(request_id, 0):
+            return  # the target went without it
+        self._blocks[(request_id, step)] = block
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    async def take(self, keys: list[tuple[str, int]], deadline_s: float) -> dict:
+        """The blocks for ``keys`` that reach the target by ``deadline_s``; waits for them."""
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            if all(key in self._blocks for key in keys):
+                last = max(self._blocks[key].arrive_s for key in keys)
+                await _sleep(min(last, deadline_s) - now)
+                break
+            if now >= deadline_s:
+                break
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, deadline_s - now)
+            except TimeoutError:
+                break
+        now = loop.time()
+        taken = {}
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is not None and block.arrive_s <= now:
+                taken[key] = self._blocks.pop(key)
+        for request_id, step in keys:
+            self._verified_step[request_id] = max(self._verified_step.get(request_id, 0), step)
+            self._blocks.pop((request_id, step), None)  # late: dropped
+        return taken
+
+    def post_verdict(self, request_id: str, verdict: _Verdict) -> None:
+        self._verdicts[request_id] = verdict
+
+    def verdict(self, request_id: str) -> _Verdict | None:
+        return self._verdicts.get(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self._verified_step.pop(request_id, None)
+        self._verdicts.pop(request_id, None)
+        for key in [key for key in self._blocks if key[0] == request_id]:
+            del self._blocks[key]
+
+    def __len__(self) -> int:
+        """Entries held (blocks, steps, verdicts): 0 once every request was released."""
+        return len(self._blocks) + len(self._verified_step) + len(self._verdicts)
+
+
+@dataclass
+class _TargetRequest:
+    committed: int
+    max_tokens: int
+
+
+class SimTargetBackend:
+    """One simulated target group (TargetBackend)."""
+
+    def __init__(
+        self,
+        latency: LatencyModel,
+        acceptance: AcceptanceModel,
+        inbox: SimInbox,
+        rng: random.Random,
+    ):
+        self.latency, self.acceptance, self.inbox, self.rng = latency, acceptance, inbox, rng
+        self._requests: dict[str, _TargetRequest] = {}
+        self._queue = asyncio.Lock()  # calls run one at a time, FIFO
+        self.calls = 0
+
+    async def verify(self, items: list[dict], draft_deadline_s: float) -> dict:
+        latency = self.latency
+        await _sleep(latency.rtt_s / 2 + latency.coordinator_overhead_s)
+        async with self._queue:
+            reply = await self._verify(items, draft_deadline_s)
+        await _sleep(latency.rtt_s / 2)
+        return reply
+
+    async def _verify(self, items: list[dict], draft_deadline_s: float) -> dict:
+        self.calls += 1
+        entered = _now()
+        prefill_tokens = 0
+        for item in items:
+            if item["request_id"] in self._requests:
+                continue
+            if "prompt_token_ids" not in item:
+                raise ValueError(f"target has no state for request {item['request_id']}")
+            committed = len(item.get("output_token_ids", ()))
+            self._requests[item["request_id"]] = _TargetRequest(
+                committed, int(item["params"]["max_tokens"])
+            )
+            prefill_tokens += len(item["prompt_token_ids"]) + committed
+        await _sleep(prefill_tokens * self.latency.prefill_per_token_s)
+        states = [self._requests[item["request_id"]] for item in items]
+        for item, state in zip(items, states, strict=True):
+            if item["num_committed"] != state.committed:
+                raise RuntimeError(
+                    f"request {item['request_id']} is at {state.committed} committed tokens "
+                    f"here, the caller says {item['num_committed']}"
+                )
+        keys = [(item["request_id"], item["step"]) for item in items if item["expect_draft"]]
+        waited = _now()
+        arrived = await self.inbox.take(keys, waited + draft_deadline_s) if keys else {}
+        wait_s = _now() - waited
+        blocks, dropped = {}, {}
+        for (request_id, _), block in arrived.items():
+            if block.num_committed != self._requests[request_id].committed:
+                dropped[request_id] = "stale: drafted from other committed tokens"
+            else:
+                blocks[request_id] = block.num_tokens
+        for request_id, step in keys:
+            if (request_id, step) not in arrived:
+                dropped[request_id] = "deadline: no block arrived in time"
+        widest = 1 + max(blocks.values(), default=0)
+        await _sleep(self.latency.verify.seconds(len(items), widest))
+        verdict_s = _now() + self.latency.rtt_s / 2
+        results = []
+        for item, state in zip(items, states, strict=True):
+            request_id = item["request_id"]
+            num_draft = blocks.get(request_id, 0)
+            accepted = self.acceptance.sample_accepted(self.rng, num_draft)
+            ahead_valid = bool(num_draft) and accepted == num_draft
+            ahead_valid = ahead_valid and self.rng.random() < self.acceptance.bonus_match
+            count = min(accepted + 1, state.max_tokens - state.committed)
+            state.committed += count
+            finished = state.committed >= state.max_tokens
+            if (request_id, item["step"]) in arrived:  # the draft streamed it: it gets a verdict
+                verdict = _Verdict(item["step"], verdict_s, ahead_valid and not finished)
+                self.inbox.post_verdict(request_id, verdict)
+            results.append(
+                {
+                    "request_id": request_id,
+                    "token_ids": [SIM_TOKEN_ID] * count,
+                    "num_draft_tokens": num_draft,
+                    "num_accepted": accepted if num_draft else 0,
+                    "finish_reason": "length" if finished else None,
+                    "dropped_reason": dropped.get(request_id, ""),
+                }
+            )
+            if finished:
+                self._forget(request_id)
+        service_s = _now() - entered
+        return {
+            "results": results,
+            "wait_s": wait_s,
+            "compute_s": service_s - wait_s,
+            "service_s": service_s,
+        }
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    async def release(self, request_ids: list[str]) -> None:
+        await _sleep(self.latency.rtt_s / 2 + self.latency.coordinator_overhead_s)
+        async with self._queue:
+            for request_id in request_ids:
+                self._forget(request_id)
+        await _sleep(self.latency.rtt_s / 2)
+
+    async def ping(self) -> None:
+        """A control call: never queues behind verification."""
+        await _sleep(self.latency.rtt_s + self.latency.coordinator_overhead_s)
+
+    async def held_requests(self) -> list[str]:
+        return sorted(self._requests)
+
+
+@dataclass
+class _DraftRequest:
+    committed: int
+    last_step: int | None = None  # step of the last block drafted
+    ahead: int = 0  # tokens drafted past the last block (the first is the bonus guess)
+
+
+class _SimDraftWorker:
+    def __init__(self, latency: LatencyModel, inbox: SimInbox):
+        self.latency, self.inbox = latency, inbox
+        self.requests: dict[str, _DraftRequest] = {}
+        self._lock = asyncio.Lock()  # one call at a time, FIFO
+        self._calls_waiting = 0  # proposes queued behind the running call: draft-ahead yields
+
+    async def propose(self, items: list[dict], draft_ahead: bool) -> dict:
+        latency = self.latency
+        await _sleep(latency.rtt_s / 2 + latency.coordinator_overhead_s)
+        self._calls_waiting += 1
+        async with self._lock:
+            self._calls_waiting -= 1
+            reply = await self._propose(items, draft_ahead)
+        await _sleep(latency.rtt_s / 2)
+        return reply
+
+    async def prefill(self, items: list[dict]) -> dict:
+        """Take on new requests (their state; prefill time for their committed tokens)."""
+        latency = self.latency
+        await _sleep(latency.rtt_s / 2 + latency.coordinator_overhead_s)
+        self._calls_waiting += 1
+        async with self._lock:
+            self._calls_waiting -= 1
+            started = _now()
+            await self._sync(items)
+            draft_s = _now() - started
+        await _sleep(latency.rtt_s / 2)
+        return {"num_requests": len(items), "draft_s": draft_s}
+
+    async def _sync(self, items: list[dict]) -> list[_DraftRequest]:
+        """The requests' states, created on first sight (after a prefill's time)."""
+        prefill_tokens = 0
+        states = []
+        for item in items:
+            state = self.requests.get(item["request_id"])
+            if state is None:
+                if "prompt_token_ids" not in item:
+                    raise ValueError(f"draft worker has no state for request {item['request_id']}")
+                state = self.requests[item["request_id"]] = _DraftRequest(committed=0)
+                prefill_tokens += len(item["prompt_token_ids"]) + len(item["new_token_ids"])
+            state.committed += len(item["new_token_ids"])
+            if state.committed != item["num_committed"]:
+                raise ValueError(
+                    f"request {item['request_id']}: the draft has {state.committed} committed "
+                    f"tokens, the coordinator says {item['num_committed']}"
+                )
+            states.append(state)
+        await _sleep(prefill_tokens * self.latency.draft_prefill_per_token_s)
+        return states
+
+    async def _propose(self, items: list[dict], draft_ahead: bool) -> dict:
+        latency = self.latency
+        started = _now()
+        states = await self._sync(items)
+        reused = [self._reusable(s, item) for s, item in zip(states, items, strict=True)]
+        needs = [item["k"] - r for item, r in zip(items, reused, strict=True)]
+        steps = max(needs, default=0)
+        for step in range(1, steps + 1):
+            batch = sum(need >= step for need in needs)
+            await _sleep(latency.draft_step.seconds(batch))
+        arrive_s = _now() + latency.rtt_s / 2
+        for item, state in zip(items, states, strict=True):
+            block = _Block(item["k"], item["num_committed"], arrive_s)
+            self.inbox.deposit(item["request_id"], item["step"], block)
+            state.last_step = item["step"]
+        ahead = 0
+        if draft_ahead:
+            ahead, ahead_steps = await self._draft_ahead(items, states)
+            steps += ahead_steps
+        return {
+            "num_requests": len(items),
+            "bytes": latency.bytes_per_token * sum(item["k"] for item in items),
+            "draft_s": _now() - started,
+            "steps": steps,
+            "reused_tokens": sum(reused),
+            "ahead_tokens": ahead,
+        }
+
+    def _reusable(self, state: _DraftRequest, item: dict) -> int:
+        """Tokens drafted ahead that the committed tokens confirmed; the rest are dropped.
+        Leaves ``state.ahead`` at the valid tokens past this call's block."""
+        verdict = self.inbox.verdict(item["request_id"])
+        valid = 0
+        if (
+            state.last_step is not None
+            and item["step"] == state.last_step + 1
+            and verdict is not None
+            and verdict.step == state.last_step
+            and verdict.ahead_valid
+        ):
+            valid = max(state.ahead - 1, 0)  # the first token ahead was the bonus guess
+        reused = min(valid, item["k"])
+        state.ahead = valid - reused
+        return reused
+
+    async def _draft_ahead(self, items: list[dict], states: list[_DraftRequest]):
+        drafted = steps = 0
+        loop = asyncio.get_running_loop()
+        while not self._calls_waiting:
+            now = loop.time()
+            open_ = []
+            for item, state in zip(items, states, strict=True):
+                verdict = self.inbox.verdict(item["request_id"])
+                heard = verdict is not None and verdict.step >= item["step"]
+                if (heard and verdict.arrive_s <= now) or state.ahead >= item["k"] + 1:
+                    continue
+                open_.append(state)
+            if not open_:
+                break
+            await _sleep(self.latency.draft_step.seconds(len(open_)))
+            for state in open_:
+                state.ahead += 1
+            drafted += len(open_)
+            steps += 1
+        return drafted, steps
+
+    async def release(self, request_ids: list[str]) -> None:
+        latency = self.latency
+        await _sleep(latency.rtt_s / 2 + latency.coordinator_overhead_s)
+        async with self._lock:
+            for request_id in request_ids:
+                self.requests.pop(request_id, None)
+                self.inbox.forget(request_id)
+        await _sleep(latency.rtt_s / 2)
+
+
+class SimDraftBackend:
+    """A pool of simulated draft workers (DraftBackend)."""
+
+    def __init__(self, num_workers: int, latency: LatencyModel, inbox: SimInbox):
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
+        self.num_workers = num_workers
+        self._workers = [_SimDraftWorker(latency, inbox) for _ in range(num_workers)]
+
+    def available(self, worker: int) -> bool:
+        return True
+
+    async def prefill(self, worker: int, items: list[dict]) -> dict:
+        return await self._workers[worker].prefill(items)
+
+    async def propose(self, worker: int, items: list[dict], draft_ahead: bool) -> dict:
+        return await self._workers[worker].propose(items, draft_ahead)
+
+    async def release(self, worker: int, request_ids: list[str]) -> None:
+        await self._workers[worker].release(request_ids)
+
+    async def replace(self, worker: int) -> None:
+        return None
+
+    async def held_requests(self, worker: int) -> list[str]:
+        return sorted(self._workers[worker].requests)

@@ -1,0 +1,438 @@
+"""The discrete-event simulator: virtual clock, config validation, simulated workers, sweeps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from specray.cluster.coordinator import Coordinator, CoordinatorConfig
+from specray.cluster.policy import DraftCost, VerifyCost
+from specray.outputs import SpecDecodeMetrics
+from specray.sampling import SamplingParams
+from specray.sim import (
+    AcceptanceModel,
+    LatencyModel,
+    SimConfig,
+    SimConfigError,
+    SimulationDeadlock,
+    VirtualTimeLoop,
+    Workload,
+    acceptance_from_metrics,
+    format_table,
+    load_sim_config,
+    run_virtual,
+    sim_config_from_dict,
+    simulate,
+)
+from specray.sim.workers import SimDraftBackend, SimInbox, SimTargetBackend
+
+CONFIGS = Path(__file__).resolve().parents[2] / "specray" / "sim" / "configs"
+
+
+# ---- the virtual clock ---------------------------------------------------------------------
+def test_thousand_hour_sleeps_take_no_real_time():
+    async def main():
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.gather(*(asyncio.sleep(3600) for _ in range(1000)))
+        return loop.time() - started
+
+    real = time.perf_counter()
+    assert run_virtual(main()) == 3600.0
+    assert time.perf_counter() - real < 1.0
+
+
+def test_timers_fire_in_order_on_virtual_time():
+    async def main():
+        loop = asyncio.get_running_loop()
+        fired = []
+
+        async def sleeper(delay, tag):
+            await asyncio.sleep(delay)
+            fired.append((tag, loop.time()))
+
+        await asyncio.gather(sleeper(0.3, "c"), sleeper(0.1, "a"), sleeper(0.2, "b"))
+        loop.call_later(0.05, fired.append, ("later", loop.time() + 0.05))
+        await asyncio.sleep(0.1)
+        return fired
+
+    fired = run_virtual(main())
+    assert [tag for tag, _ in fired] == ["a", "b", "c", "later"]
+    assert [t for _, t in fired[:3]] == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_asyncio_primitives_run_on_virtual_time():
+    async def main():
+        loop = asyncio.get_running_loop()
+        event, lock, queue = asyncio.Event(), asyncio.Lock(), asyncio.Queue()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(event.wait(), 5.0)
+        assert loop.time() == pytest.approx(5.0)
+        loop.call_later(2.0, event.set)
+        await event.wait()
+        assert loop.time() == pytest.approx(7.0)
+        order = []
+
+        async def hold(tag, seconds):
+            async with lock:
+                order.append((tag, loop.time()))
+                await asyncio.sleep(seconds)
+
+        await asyncio.gather(hold("x", 1.0), hold("y", 1.0), hold("z", 1.0))
+        assert order == [("x", 7.0), ("y", 8.0), ("z", 9.0)]
+        loop.call_later(0.5, queue.put_nowait, "item")
+        assert await queue.get() == "item"
+        assert loop.time() == pytest.approx(10.5)
+        async with asyncio.timeout(1.0):
+            await asyncio.sleep(0.25)
+        return loop.time()
+
+    assert run_virtual(main()) == pytest.approx(10.75)
+
+
+def test_deadlock_raises_instead_of_hanging():
+    async def stuck():
+        await asyncio.Event().wait()
+
+    with pytest.raises(RuntimeError, match="deadlock"):
+        run_virtual(stuck())
+    with pytest.raises(SimulationDeadlock):
+        run_virtual(stuck())
+
+
+def test_virtual_loop_starts_at_given_time_and_closes():
+    loop = VirtualTimeLoop(start_s=100.0)
+    try:
+        assert loop.run_until_complete(asyncio.sleep(1.5, result="ok")) == "ok"
+        assert loop.time() == 101.5
+    finally:
+        loop.close()
+
+
+# ---- configs -------------------------------------------------------------------------------
+def _latency(**overrides) -> LatencyModel:
+    base = {
+        "verify": VerifyCost(0.02, 0.0005, 0.0002),
+        "draft_step": DraftCost(0.002, 0.0001),
+        "rtt_s": 0.0005,
+        "coordinator_overhead_s": 0.0005,
+    }
+    return LatencyModel(**(base | overrides))
+
+
+def _config(alpha=(0.8,), **overrides) -> SimConfig:
+    base = {
+        "name": "test",
+        "latency": _latency(),
+        "acceptance": AcceptanceModel(tuple(alpha)),
+        "workload": Workload(concurrency=4, num_requests=8, prompt_tokens=8, max_tokens=24),
+        "coordinator": {"num_speculative_tokens": 4},
+    }
+    return SimConfig(**(base | overrides))
+
+
+def _write(tmp_path: Path, data: dict, suffix=".yaml") -> Path:
+    path = tmp_path / f"config{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(data))
+    else:
+        import yaml
+
+        path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _raw_config() -> dict:
+    return {
+        "name": "raw",
+        "latency": {
+            "verify": {"fixed_s": 0.02, "per_request_s": 0.0005, "per_token_s": 0.0002},
+            "draft_step": {"fixed_s": 0.002, "per_request_s": 0.0001},
+            "rtt_s": 0.001,
+        },
+        "acceptance": {"per_position": [0.8, 0.7]},
+        "workload": {"concurrency": 2, "num_requests": 4, "max_tokens": 8},
+        "coordinator": {"num_micro_batches": 1, "policy": {"probe_every_rounds": 4}},
+        "sweep": {"rtt_s": [0.0002, 0.005], "num_speculative_tokens": [2, 4]},
+    }
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_load_config_yaml_and_json(tmp_path, suffix):
+    config = load_sim_config(_write(tmp_path, _raw_config(), suffix))
+    assert config.latency.verify == VerifyCost(0.02, 0.0005, 0.0002)
+    assert config.latency.coordinator_overhead_s == 0.0015  # the default
+    assert config.acceptance.per_position == (0.8, 0.7)
+    assert config.acceptance.bonus_match == 0.7  # defaults to the last α
+    assert config.coordinator_config().policy.probe_every_rounds == 4
+    assert len(config.points()) == 4
+    point = config.at({"rtt_s": 0.005, "num_speculative_tokens": 2})
+    assert point.latency.rtt_s == 0.005 and point.sweep == {}
+    assert point.coordinator_config().num_speculative_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("path", "key"),
+    [
+        ((), "colour"),
+        (("latency",), "rtt_ms"),
+        (("latency", "verify"), "per_layer_s"),
+        (("workload",), "qps"),
+        (("coordinator",), "max_k"),
+        (("sweep",), "temperature"),
+    ],
+)
+def test_unknown_keys_are_rejected_by_name(tmp_path, path, key):
+    data = _raw_config()
+    section = data
+    for part in path:
+        section = section[part]
+    section[key] = 1
+    with pytest.raises(SimConfigError, match=repr(key)):
+        load_sim_config(_write(tmp_path, data))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d["latency"]["verify"].update(fixed_s=-1), "latency.verify.fixed_s"),
+        (lambda d: d["latency"].update(rtt_s="fast"), "latency.rtt_s"),
+        (lambda d: d["acceptance"].update(per_position=[0.5, 1.5]), r"per_position\[1\]"),
+        (lambda d: d["workload"].update(concurrency=0), "workload.concurrency"),
+        (lambda d: d["coordinator"].update(num_micro_batches=0), "num_micro_batches"),
+        (lambda d: d["sweep"].update(concurrency=[4, -1]), "concurrency"),
+        (lambda d: d["sweep"].update(num_draft_workers=[]), "sweep.num_draft_workers"),
+        (lambda d: d["latency"].pop("verify"), "verify"),
+    ],
+)
+def test_invalid_values_name_the_parameter(mutate, message):
+    data = _raw_config()
+    mutate(data)
+    with pytest.raises(SimConfigError, match=message):
+        sim_config_from_dict(data)
+
+
+def test_acceptance_from_metrics():
+    assert acceptance_from_metrics([80, 60, 30], 100) == pytest.approx([0.8, 0.75, 0.5])
+    assert acceptance_from_metrics([80, 0, 0], 100) == [0.8, 0.0]
+    assert acceptance_from_metrics([80, 60], 100, 4) == pytest.approx([0.8, 0.75, 0.75, 0.75])
+    metrics = SpecDecodeMetrics()
+    for accepted in (4, 2, 0, 4):
+        metrics.record(4, accepted)
+    model = AcceptanceModel.from_metrics(metrics.to_dict())
+    assert model.per_position == pytest.approx((0.75, 1.0, 2 / 3, 1.0))
+    data = _raw_config()
+    data["acceptance"] = {"from_metrics": metrics.to_dict(), "bonus_match": 0.5}
+    assert sim_config_from_dict(data).acceptance.bonus_match == 0.5
+    with pytest.raises(SimConfigError, match="num_drafts"):
+        acceptance_from_metrics([1], 0)
+
+
+def test_acceptance_model_sampling():
+    model = AcceptanceModel((1.0, 0.0))
+    rng = random.Random(0)
+    assert {model.sample_accepted(rng, 4) for _ in range(20)} == {1}
+    assert model.alpha(1) == 1.0 and model.alpha(5) == 0.0  # beyond the list: the last value
+    assert AcceptanceModel((0.5,)).expected_accepted(2) == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("name", ["h100_tp4_l4.yaml", "local_cpu.yaml"])
+def test_shipped_configs_load(name):
+    config = load_sim_config(CONFIGS / name)
+    assert config.points()
+
+
+# ---- simulated workers ---------------------------------------------------------------------
+def test_target_goes_alone_after_the_draft_deadline():
+    latency = _latency(rtt_s=0.0, coordinator_overhead_s=0.0)
+
+    async def main():
+        target = SimTargetBackend(latency, AcceptanceModel((0.5,)), SimInbox(), random.Random(0))
+        spec = {"prompt_token_ids": [1, 2], "params": {"max_tokens": 3}, "seed": 0}
+        item = {"request_id": "r", "step": 1, "num_committed": 0, "expect_draft": True}
+        reply = await target.verify([item | spec], draft_deadline_s=0.5)
+        assert reply["wait_s"] == pytest.approx(0.5)
+        assert reply["compute_s"] == pytest.approx(latency.verify.seconds(1, 1))
+        (result,) = reply["results"]
+        assert result["dropped_reason"].startswith("deadline")
+        assert result["token_ids"] == [1] and result["num_draft_tokens"] == 0
+        assert result["finish_reason"] is None
+        item = {"request_id": "r", "step": 2, "num_committed": 1, "expect_draft": False}
+        reply = await target.verify([item], draft_deadline_s=0.5)
+        assert reply["wait_s"] == 0.0 and reply["results"][0]["finish_reason"] is None
+        assert await target.held_requests() == ["r"]
+        with pytest.raises(RuntimeError, match="committed"):
+            await target.verify([item], draft_deadline_s=0.5)  # stale num_committed
+        item = {"request_id": "r", "step": 3, "num_committed": 2, "expect_draft": False}
+        reply = await target.verify([item], draft_deadline_s=0.5)
+        assert reply["results"][0]["finish_reason"] == "length"
+        assert await target.held_requests() == []  # released when it finished
+
+    run_virtual(main())
+
+
+def test_block_and_verdict_flow_with_draft_ahead():
+    latency = _latency(rtt_s=0.002, coordinator_overhead_s=0.0)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        inbox = SimInbox()
+        target = SimTargetBackend(latency, AcceptanceModel((1.0,), 1.0), inbox, random.Random(0))
+        drafts = SimDraftBackend(1, latency, inbox)
+        spec = {"prompt_token_ids": [1, 2], "params": {"max_tokens": 50}, "seed": 0}
+        committed = 0
+        replies = []
+        for step in (1, 2):
+            draft_item = {"request_id": "r", "step": step, "k": 3, "num_committed": committed}
+            if step == 1:
+                draft_item |= {key: spec[key] for key in ("prompt_token_ids", "params", "seed")}
+                draft_item["new_token_ids"] = []
+            else:
+                draft_item["new_token_ids"] = [1] * committed
+            item = {"request_id": "r", "step": step, "num_committed": committed}
+            item |= {"expect_draft": True} | (spec if step == 1 else {})
+            started = loop.time()
+            proposal = asyncio.ensure_future(drafts.propose(0, [draft_item], True))
+            reply = await target.verify([item], draft_deadline_s=5.0)
+            replies.append((reply, await proposal, loop.time() - started))
+            committed += len(reply["results"][0]["token_ids"])
+        return replies
+
+    (first, first_draft, _), (second, second_draft, _) = run_virtual(main())
+    step_s = latency.draft_step.seconds(1)
+    # Both calls arrive together; the target waits for 3 draft steps and the block's trip.
+    assert first["wait_s"] == pytest.approx(3 * step_s + 0.001, rel=1e-6)
+    assert first["results"][0]["num_accepted"] == 3 and first["results"][0]["token_ids"] == [1] * 4
+    assert first_draft["steps"] == 3 + first_draft["ahead_tokens"]
+    assert first_draft["ahead_tokens"] >= 2 and first_draft["reused_tokens"] == 0
+    assert first_draft["bytes"] == 3 * latency.bytes_per_token
+    # The bonus matched (bonus_match = 1): the tokens drafted after the guess are reused.
+    assert second_draft["reused_tokens"] == min(first_draft["ahead_tokens"] - 1, 3)
+    assert second["wait_s"] < first["wait_s"]
+
+
+def test_every_request_gets_exactly_max_tokens():
+    config = _config(alpha=(0.7,), coordinator={"num_speculative_tokens": 6})
+
+    async def main():
+        inbox = SimInbox()
+        target = SimTargetBackend(config.latency, config.acceptance, inbox, random.Random(3))
+        drafts = SimDraftBackend(2, config.latency, inbox)
+        coordinator = Coordinator(
+            target,
+            drafts,
+            CoordinatorConfig(num_speculative_tokens=6),
+            vocab_size=64,
+            eos_token_ids=frozenset(),
+        )
+        await coordinator.start()
+        lengths = [1, 2, 3, 7, 19]
+        streams = [
+            await coordinator.submit([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=n))
+            for n in lengths
+        ]
+        outputs = [await stream.result() for stream in streams]
+        await coordinator.stop()
+        held = await target.held_requests()
+        held += [r for w in range(2) for r in await drafts.held_requests(w)]
+        return lengths, outputs, held, len(inbox)
+
+    lengths, outputs, held, inbox_entries = run_virtual(main())
+    assert [len(o.token_ids) for o in outputs] == lengths
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert held == [] and inbox_entries == 0
+
+
+# ---- whole simulations ---------------------------------------------------------------------
+def test_sweep_is_deterministic_and_complete():
+    config = _config(sweep={"num_draft_workers": [1, 2], "rtt_s": [0.0002, 0.005]})
+    first, second = simulate(config), simulate(config)
+    assert first == second
+    assert len(first) == 4
+    assert [(r["num_draft_workers"], r["rtt_s"]) for r in first] == [
+        (1, 0.0002),
+        (1, 0.005),
+        (2, 0.0002),
+        (2, 0.005),
+    ]
+    for row in first:
+        assert row["num_requests"] == 8 and row["committed_tokens"] == 8 * 24
+        assert row["all_max_tokens"] and row["leaked_requests"] == 0
+        assert row["tokens_per_s"] > 0 and row["target_only_tokens_per_s"] > 0
+        assert 0 < row["target_busy_fraction"] <= 1
+        assert row["speedup"] == pytest.approx(
+            row["tokens_per_s"] / row["target_only_tokens_per_s"]
+        )
+        for key in ("ttft_p50_s", "itl_p50_s", "itl_p95_s", "tpot_mean_s"):
+            assert math.isfinite(row[key]) and row[key] > 0
+    assert simulate(replace(config, workload=replace(config.workload, seed=1))) != first
+    table = format_table(first)
+    lines = table.splitlines()
+    assert len(lines) == 2 + 4 and "num_draft_workers" in lines[0] and "speedup" in lines[0]
+    assert len({len(line) for line in lines}) == 1  # fixed width
+
+
+def test_zero_acceptance_ends_near_target_only():
+    config = _config(
+        alpha=(0.0,),
+        workload=Workload(concurrency=4, num_requests=8, prompt_tokens=8, max_tokens=96),
+    )
+    (row,) = simulate(config)
+    assert row["acceptance_rate"] == 0.0
+    assert row["mean_k"] < 0.5  # only the periodic probes speculate
+    assert row["tokens_per_s"] == pytest.approx(row["target_only_tokens_per_s"], rel=0.15)
+
+
+def test_high_acceptance_with_a_cheap_draft_beats_target_only():
+    config = _config(
+        alpha=(0.9,),
+        latency=_latency(draft_step=DraftCost(0.001, 0.00005)),
+        workload=Workload(concurrency=8, num_requests=16, prompt_tokens=8, max_tokens=64),
+    )
+    (row,) = simulate(config)
+    assert row["mean_k"] > 2
+    assert row["speedup"] > 1.5
+
+
+def test_pipelining_keeps_the_target_busier():
+    """A draft round (k steps) ~ one verification: with two micro-batches the draft of one hides
+    behind the verification of the other; one micro-batch without draft-ahead leaves the target
+    idle while the draft works."""
+    base = _config(
+        alpha=(0.8,),
+        latency=_latency(
+            verify=VerifyCost(0.02, 0.0002, 0.0001), draft_step=DraftCost(0.001, 0.0008)
+        ),
+        workload=Workload(concurrency=16, num_requests=32, prompt_tokens=8, max_tokens=48),
+    )
+    fixed_k = {"num_speculative_tokens": 4, "adaptive_k": False}  # the same blocks in each run
+
+    def run(**coordinator):
+        (row,) = simulate(replace(base, coordinator=fixed_k | coordinator))
+        return row
+
+    serial = run(num_micro_batches=1, draft_ahead=False)
+    for pipelined in (run(num_micro_batches=2, draft_ahead=False), run(num_micro_batches=2)):
+        assert pipelined["tokens_per_s"] > 1.1 * serial["tokens_per_s"]
+        assert pipelined["target_busy_fraction"] > serial["target_busy_fraction"] + 0.2
+    assert serial["target_wait_fraction"] > 0.4  # the bubble: waiting for the draft
+
+
+def test_unknown_sweep_field_and_processes_are_validated():
+    with pytest.raises(SimConfigError, match="'k'"):
+        _config(sweep={"k": [1, 2]})
+    with pytest.raises(ValueError, match="processes"):
+        simulate(_config(), processes=0)
+
+
+def test_processes_give_the_same_rows():
+    config = _config(sweep={"num_speculative_tokens": [2, 4]})
+    seen = []
+    assert simulate(config, processes=2, on_row=seen.append) == simulate(config) == seen
