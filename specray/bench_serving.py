@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from specray.bench import acceptance_from_mean_length, load_prompts
-from specray.cluster.coordinator import Coordinator, CoordinatorConfig
+from specray.cluster.coordinator import DEFAULT_DRAFT_PRIOR, Coordinator, CoordinatorConfig
 from specray.cluster.local import CoordinatorThread
 from specray.cluster.placement import PlacementConfig
 from specray.engine import chat_token_ids
@@ -38,6 +38,7 @@ class ServingBenchConfig:
     requests_per_client: int = 2
     num_speculative_tokens: int = 8  # the largest k the policy may choose
     temperature: float = 0.0
+    draft_probs_encoding: str = "top64"  # sparse q: ~0.5 kB per drafted token instead of 196 kB
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "requests_per_client", "num_speculative_tokens"):
@@ -71,9 +72,14 @@ def _percentile(values: list[float], fraction: float) -> float:
     return ordered[min(int(fraction * len(ordered)), len(ordered) - 1)]
 
 
-def _mode_config(mode: str, config: ServingBenchConfig, concurrency: int) -> CoordinatorConfig:
+def _mode_config(
+    mode: str, config: ServingBenchConfig, concurrency: int, calibration
+) -> CoordinatorConfig:
     pipelined = mode == "pipelined"
+    verify, draft = calibration
     return CoordinatorConfig(
+        verify_prior=verify,
+        draft_prior=draft or DEFAULT_DRAFT_PRIOR,
         max_running=max(concurrency, 1),
         max_queue=max(concurrency, 1),
         num_micro_batches=2 if pipelined else 1,
@@ -98,10 +104,10 @@ async def _closed_loop(coordinator: Coordinator, prompts, params, concurrency, p
     return [output for outputs in results for output in outputs]
 
 
-def _run_mode(backend, info, mode, config, concurrency, prompts, params) -> dict:
+def _run_mode(backend, info, mode, config, concurrency, prompts, params, calibration) -> dict:
     from specray.distributed import RayDraftBackend, RayTargetBackend
 
-    coordinator_config = _mode_config(mode, config, concurrency)
+    coordinator_config = _mode_config(mode, config, concurrency, calibration)
     runner = CoordinatorThread(
         lambda: Coordinator(
             RayTargetBackend(backend),
@@ -158,7 +164,17 @@ def _run_mode(backend, info, mode, config, concurrency, prompts, params) -> dict
         "bytes_per_token": stats.draft_bytes / max(tokens, 1),
         "draft_step_s": costs.draft.seconds(1),
         "verify_cost": asdict(costs.verify),
+        "draft_cost": asdict(costs.draft),
         "rtt_s": costs.rtt_s,
+        "prefill_per_token_s": stats.target_prefill_s / max(stats.target_prefill_tokens, 1),
+        "draft_prefill_per_token_s": stats.draft_prefill_s / max(stats.draft_prefill_tokens, 1),
+        "metrics": metrics.to_dict(),
+        "coordinator": {
+            name: getattr(coordinator_config, name)
+            for name in ("max_running", "max_queue", "num_micro_batches", "draft_ahead")
+        }
+        | {"num_speculative_tokens": coordinator_config.num_speculative_tokens},
+        "prompt_tokens": round(statistics.fmean(len(o.prompt_token_ids) for o in outputs)),
         "outputs": [output.token_ids for output in outputs],
     }
 
@@ -183,6 +199,46 @@ def pipelined_bound(row: dict, target_only: dict) -> float:
     return expected / max(ratio + row["rtt_s"] / target_step_s, k * c)
 
 
+def simulated_tokens_per_s(row: dict, config: ServingBenchConfig, calibration) -> float:
+    """The simulator's prediction for this row: same workload and coordinator settings, the
+    costs calibrated on the workers and the acceptance measured in this run (the
+    simulator-vs-real check)."""
+    from specray.sim import simulate
+    from specray.sim.model import sim_config_from_dict
+
+    acceptance = (
+        {"from_metrics": row["metrics"] | {}}
+        if row["metrics"]["num_drafts"]
+        else {"per_position": [0.0]}
+    )
+    for key in ("acceptance_rate", "mean_acceptance_length"):
+        acceptance.get("from_metrics", {}).pop(key, None)
+    sim_config = sim_config_from_dict(
+        {
+            "name": f"check-{row['mode']}-{row['concurrency']}",
+            "latency": {
+                "verify": asdict(calibration[0]),
+                "draft_step": asdict(calibration[1] or DEFAULT_DRAFT_PRIOR),
+                "rtt_s": row["rtt_s"],
+                "prefill_per_token_s": row["prefill_per_token_s"],
+                "draft_prefill_per_token_s": row["draft_prefill_per_token_s"],
+            },
+            "acceptance": acceptance,
+            "workload": {
+                "concurrency": row["concurrency"],
+                "num_requests": row["requests"],
+                "prompt_tokens": row["prompt_tokens"],
+                "max_tokens": config.max_tokens,
+                "seed": 0,
+            },
+            "coordinator": row["coordinator"],
+            "num_draft_workers": 1,
+        }
+    )
+    (result,) = simulate(sim_config)
+    return result["tokens_per_s"]
+
+
 def run_serving_bench(config: ServingBenchConfig) -> dict:
     import ray
     from ray.cluster_utils import Cluster
@@ -204,11 +260,22 @@ def run_serving_bench(config: ServingBenchConfig) -> dict:
     rows = []
     try:
         _log(f"starting workers: target={config.target} draft={config.draft}")
-        backend = DistributedBackend(config.target, config.draft, placement=placement)
+        backend = DistributedBackend(
+            config.target,
+            config.draft,
+            placement=placement,
+            draft_probs_encoding=config.draft_probs_encoding,
+        )
+        _log("calibrating: target forwards over (batch, tokens), draft steps over batch")
+        calibration = backend.calibrate()
         for concurrency in config.concurrency:
             for mode in MODES:
                 _log(f"concurrency {concurrency}: {mode}")
-                rows.append(_run_mode(backend, info, mode, config, concurrency, prompts, params))
+                rows.append(
+                    _run_mode(
+                        backend, info, mode, config, concurrency, prompts, params, calibration
+                    )
+                )
         backend.shutdown()
     finally:
         ray.shutdown()
@@ -227,13 +294,23 @@ def run_serving_bench(config: ServingBenchConfig) -> dict:
             row["fraction_of_bound"] = row["speedup"] / bound
     for row in rows:
         del row["outputs"]
-    return {"config": asdict(config), "rows": rows}
+        row["simulated_tokens_per_s"] = simulated_tokens_per_s(row, config, calibration)
+        row["simulated_error"] = row["simulated_tokens_per_s"] / row["tokens_per_s"] - 1
+    return {
+        "config": asdict(config),
+        "calibration": {
+            "verify": asdict(calibration[0]),
+            "draft_step": asdict(calibration[1]) if calibration[1] else None,
+        },
+        "rows": rows,
+    }
 
 
 def print_serving_report(report: dict) -> None:
     header = (
         f"{'conc':>4} {'mode':<12} {'tok/s':>7} {'speedup':>7} {'vs unpip':>8} {'itl p50':>8} "
-        f"{'itl p95':>8} {'busy':>5} {'alpha':>5} {'k':>4} {'bound%':>6} {'greedy=':>7}"
+        f"{'itl p95':>8} {'busy':>5} {'alpha':>5} {'k':>4} {'bound%':>6} {'greedy=':>7} "
+        f"{'sim tok/s':>9} {'sim err':>7}"
     )
     print(header)
     for row in report["rows"]:
@@ -244,5 +321,6 @@ def print_serving_report(report: dict) -> None:
             f"{row['itl_p50_s'] * 1e3:>6.0f}ms {row['itl_p95_s'] * 1e3:>6.0f}ms "
             f"{row['target_busy_fraction']:>5.2f} {row['acceptance_rate']:>5.2f} "
             f"{row['mean_k']:>4.1f} {'' if bound is None else f'{100 * bound:.0f}':>6} "
-            f"{'yes' if row['matches_target_only'] else 'NO':>7}"
+            f"{'yes' if row['matches_target_only'] else 'NO':>7} "
+            f"{row['simulated_tokens_per_s']:>9.2f} {100 * row['simulated_error']:>6.1f}%"
         )

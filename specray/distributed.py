@@ -131,6 +131,22 @@ class DistributedBackend:
         ray.kill(self.drafts[index], no_restart=True)
         self._start_draft(index)
 
+    def calibrate(self, batches=(1, 2, 4, 8, 16), tokens=(1, 2, 3, 5, 9)):
+        """Measured costs as tables: target forwards over (batch, tokens) and draft steps over
+        batch sizes. Returns ``(VerifyCost, DraftCost | None)``: the coordinator's cost model
+        (its priors) and the latency model of ``specray simulate``."""
+        import ray
+
+        from specray.cluster.policy import DraftCost, VerifyCost, tabulate
+
+        grid = [(batch, count) for batch in batches for count in tokens]
+        measured = ray.get(self.leader.calibrate.remote(grid))
+        verify = VerifyCost(0.0, 0.0, 0.0, tabulate([(b * n, s) for b, n, s in measured]))
+        if not self.drafts:
+            return verify, None
+        steps = ray.get(self.drafts[0].calibrate.remote(list(batches)))
+        return verify, DraftCost(0.0, 0.0, tabulate(steps))
+
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group

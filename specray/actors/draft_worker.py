@@ -252,6 +252,12 @@ class DraftWorker:
     def _tokens(self, request_id: str) -> list[int]:
         return [entry.token_id for entry in self.speculated[request_id]]
 
+    def calibrate(self, batches: list[int]) -> list[tuple[int, float]]:
+        """Time one draft step per batch size: the draft cost model (0 for model-free drafts)."""
+        runner = getattr(self.drafter, "runner", None)
+        with self._lock:
+            return [(batch, runner.time_forward(batch, 1) if runner else 0.0) for batch in batches]
+
     def release(self, request_ids: list[str]) -> None:
         with self._lock:
             self.drafter.release(request_ids)

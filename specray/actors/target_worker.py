@@ -180,6 +180,12 @@ class TargetWorker:
         view.prompt_token_ids = [*state.prompt_token_ids, *state.output_token_ids]
         return view
 
+    def calibrate(self, grid: list[tuple[int, int]]) -> list[tuple[int, int, float]]:
+        """Time target forwards for each (batch, tokens per request): the verify cost model."""
+        return [
+            (batch, tokens, self.core.runner.time_forward(batch, tokens)) for batch, tokens in grid
+        ]
+
     def release(self, request_ids: list[str]) -> None:
         """Free finished or cancelled requests (KV cache, state, pending blocks)."""
         known = [request_id for request_id in request_ids if request_id in self.requests]

@@ -69,6 +69,8 @@ class LeaderRunner:
         self._ops = []
         return self.runner.forward(feeds, num_logits)
 
+    time_forward = ModelRunner.time_forward  # through forward(): the followers run it too
+
     def rollback(self, seq_id: Hashable, num_tokens: int) -> None:
         self.runner.rollback(seq_id, num_tokens)
         if num_tokens > 0:

@@ -185,12 +185,16 @@ class _Costs:
     def add_verify(self, batch: int, tokens: int, seconds: float, prior: VerifyCost) -> None:
         self.verify_samples = [*self.verify_samples[-COST_SAMPLES + 1 :], (batch, tokens, seconds)]
         self.num_verify += 1
+        if prior.table:  # a calibrated table beats a line fitted to what the rounds happen to be
+            return
         if self.num_verify <= REFIT_EVERY or self.num_verify % REFIT_EVERY == 0:
             self.verify = fit_verify_cost(self.verify_samples, prior)
 
     def add_draft(self, batch: int, seconds_per_step: float, prior: DraftCost) -> None:
         self.draft_samples = [*self.draft_samples[-COST_SAMPLES + 1 :], (batch, seconds_per_step)]
         self.num_draft += 1
+        if prior.table:
+            return
         if self.num_draft <= REFIT_EVERY or self.num_draft % REFIT_EVERY == 0:
             self.draft = fit_draft_cost(self.draft_samples, prior)
 
@@ -211,6 +215,10 @@ class CoordinatorStats:
     reused_tokens: int = 0
     draft_failures: int = 0
     dropped_blocks: int = 0
+    target_prefill_s: float = 0.0  # prompt processing of requests new to the target
+    target_prefill_tokens: int = 0
+    draft_prefill_s: float = 0.0  # the same on draft workers (a separate call)
+    draft_prefill_tokens: int = 0
 
 
 class Coordinator:
@@ -533,7 +541,10 @@ class Coordinator:
                 "num_committed": len(state.output_token_ids),
                 "expect_draft": k > 0,
             }
-            target_items.append(item | ({} if request.target_knows else state.to_spec()))
+            if not request.target_knows:
+                item |= state.to_spec()
+                self.stats.target_prefill_tokens += len(state.prompt_token_ids) - 1
+            target_items.append(item)
             request.target_knows = True
             if k > 0:
                 draft_items.setdefault(request.draft_worker, []).append(
@@ -588,6 +599,10 @@ class Coordinator:
             self._draft_failed(worker, generation, future.exception())
             return
         if generation == self._draft_generation[worker]:
+            self.stats.draft_prefill_s += future.result()["draft_s"]
+            self.stats.draft_prefill_tokens += sum(
+                len(r.state.prompt_token_ids) - 1 for r in requests
+            )
             for request in requests:
                 request.draft_ready = True
 
@@ -648,7 +663,10 @@ class Coordinator:
         widest = max(len(r["token_ids"]) + (r["num_draft_tokens"] - r["num_accepted"])
                      for r in reply["results"])  # fmt: skip
         # Prefill of requests new to the target is busy time, but not the cost of a round.
-        verify_s = compute_s - reply.get("prefill_s", 0.0)
+        prefill_s = reply.get("prefill_s", 0.0)
+        verify_s = compute_s - prefill_s
+        if prefill_s > 0:
+            self.stats.target_prefill_s += prefill_s
         self.costs.add_verify(len(requests), widest, verify_s, self.config.verify_prior)
         elapsed = self._loop.time() - self.stats.started_s
         if elapsed > 0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import combinations
+from itertools import combinations, pairwise
 
 MAX_K_LIMIT = 32
 _PIVOT_TOL = 1e-10  # on a unit-diagonal Gram matrix: below this the design is rank-deficient
@@ -31,25 +31,72 @@ def _check(name: str, value: object, low: float, high: float | None = None, *, i
 
 
 def _acceptance(values: Sequence[float]) -> list[float]:
+    """Validated acceptance list as floats. Fast path: every value a plain float in [0, 1]
+    (NaN fails the comparison); otherwise _check converts ints and names the first bad index."""
+    values = list(values)
+    fast = [v for v in values if type(v) is float and 0.0 <= v <= 1.0]
+    if len(fast) == len(values):
+        return fast
     return [float(_check(f"acceptance[{i}]", v, 0, 1)) for i, v in enumerate(values)]
+
+
+def _table(name: str, points) -> tuple[tuple[float, float], ...]:
+    """Validated measured (tokens in the forward, seconds) points, strictly increasing."""
+    out = tuple((float(x), float(_check(f"{name} seconds", y, 0))) for x, y in points)
+    for (x0, _), (x1, _) in pairwise(out):
+        if not x1 > x0:
+            raise ValueError(f"{name} points must have increasing token counts, got {points!r}")
+    if out and out[0][0] < 1:
+        raise ValueError(f"{name} token counts must be >= 1, got {points!r}")
+    return out
+
+
+def _interpolate(table: tuple[tuple[float, float], ...], tokens: float) -> float:
+    """Piecewise linear through the points; flat below the first, linear past the last."""
+    if len(table) == 1 or tokens <= table[0][0]:
+        return table[0][1]
+    for (x0, y0), (x1, y1) in pairwise(table):
+        if tokens <= x1:
+            return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = table[-2], table[-1]
+    return max(y1 + (y1 - y0) / (x1 - x0) * (tokens - x1), 0.0)
+
+
+def tabulate(samples: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """(tokens in the forward, seconds) samples -> a table, averaging equal token counts."""
+    grouped: dict[float, list[float]] = {}
+    for tokens, seconds in samples:
+        grouped.setdefault(float(tokens), []).append(float(seconds))
+    return tuple((tokens, sum(v) / len(v)) for tokens, v in sorted(grouped.items()))
 
 
 @dataclass(frozen=True)
 class VerifyCost:
     """Target forward time: fixed_s + per_request_s * batch
-    + per_token_s * batch * tokens_per_request (tokens_per_request = k + 1 when verifying)."""
+    + per_token_s * batch * tokens_per_request (tokens_per_request = k + 1 when verifying);
+    or, with ``table``, interpolated from measured (batch * tokens_per_request, seconds) points.
+    A table captures what a line cannot on a CPU: one row runs as a fast matrix-vector product,
+    two to four rows cost nearly as much as eight (measured here: 75, 126, 180, 177 ms for 1, 2,
+    3, 5 tokens)."""
 
     fixed_s: float
     per_request_s: float
     per_token_s: float
+    table: tuple = ()  # ((tokens in the forward, seconds), ...) measured; overrides the line
 
     def __post_init__(self) -> None:
         for name in ("fixed_s", "per_request_s", "per_token_s"):
             _check(name, getattr(self, name), 0)
+        object.__setattr__(self, "table", _table("table", self.table))
 
     def seconds(self, batch: int, tokens_per_request: int) -> float:
         batch = _check("batch", batch, 1, integer=True)
         tokens = _check("tokens_per_request", tokens_per_request, 1, integer=True)
+        return self._seconds(batch, tokens)
+
+    def _seconds(self, batch: int, tokens: int) -> float:
+        if self.table:
+            return _interpolate(self.table, batch * tokens)
         return self.fixed_s + self.per_request_s * batch + self.per_token_s * batch * tokens
 
 
@@ -59,13 +106,20 @@ class DraftCost:
 
     fixed_s: float
     per_request_s: float
+    table: tuple = ()  # ((batch, seconds per step), ...) measured; overrides the line
 
     def __post_init__(self) -> None:
         for name in ("fixed_s", "per_request_s"):
             _check(name, getattr(self, name), 0)
+        object.__setattr__(self, "table", _table("table", self.table))
 
     def seconds(self, batch: int) -> float:
-        return self.fixed_s + self.per_request_s * _check("batch", batch, 1, integer=True)
+        return self._seconds(_check("batch", batch, 1, integer=True))
+
+    def _seconds(self, batch: int) -> float:
+        if self.table:
+            return _interpolate(self.table, batch)
+        return self.fixed_s + self.per_request_s * batch
 
 
 def _dot(left: Sequence[float], right: Sequence[float]) -> float:
@@ -161,15 +215,51 @@ def fit_draft_cost(samples: Sequence[tuple[int, float]], prior: DraftCost) -> Dr
     return DraftCost(*_fit_linear(columns, ys, [prior.fixed_s, prior.per_request_s]))
 
 
+def _committed_prefix(values: list[float], max_k: int) -> list[float]:
+    """[E(0), ..., E(max_k)] in one prefix-product pass over validated acceptance values."""
+    padded = values[:max_k] + [values[-1] if values else 0.0] * (max_k - len(values))
+    total = reach = 1.0
+    committed = [total]
+    for alpha in padded:
+        reach *= alpha
+        total += reach
+        committed.append(total)
+    return committed
+
+
 def expected_committed(acceptance: Sequence[float], k: int) -> float:
     """E(k) with per-position acceptance; positions beyond len(acceptance) reuse the last value
     (or 0 if empty). E.g. acceptance [0.8, 0.5], k = 3: 1 + 0.8 + 0.4 + 0.2 = 2.4."""
     values = _acceptance(acceptance)
-    total, reach = 1.0, 1.0
-    for j in range(_check("k", k, 0, integer=True)):
-        reach *= values[min(j, len(values) - 1)] if values else 0.0
-        total += reach
-    return total
+    k = _check("k", k, 0, integer=True)
+    return _committed_prefix(values, k)[k]
+
+
+def _rates(
+    committed: list[float],
+    first: int,
+    batch: int,
+    verify: VerifyCost,
+    draft: DraftCost,
+    rtt_s: float,
+    pipelined: bool,
+) -> list[float]:
+    """Predicted tokens/s for k = first .. len(committed) - 1 from validated inputs, committed[k]
+    being E(k). VerifyCost.seconds / DraftCost.seconds are split into per-batch terms with the
+    same floating-point operations, so the rates are bit-identical to evaluating them per k."""
+    draft_s = draft._seconds(batch)
+    rates = []
+    for k in range(first, len(committed)):
+        if k == 0:  # target-only: verify(batch, 1), no draft and no network hop
+            round_s = verify._seconds(batch, 1)
+        elif pipelined:  # the draft of one micro-batch hides behind the other's verify + hop
+            verify_hop_s = verify._seconds(batch, k + 1) + rtt_s
+            draft_total_s = k * draft_s
+            round_s = draft_total_s if draft_total_s > verify_hop_s else verify_hop_s  # max()
+        else:
+            round_s = k * draft_s + rtt_s + verify._seconds(batch, k + 1)
+        rates.append(batch * committed[k] / round_s if round_s > 0 else math.inf)
+    return rates
 
 
 def predicted_tokens_per_s(
@@ -183,15 +273,11 @@ def predicted_tokens_per_s(
     pipelined: bool,
 ) -> float:
     """batch * E(k) / round_time(k); inf if the cost model predicts a free round."""
-    committed = _check("batch", batch, 1, integer=True) * expected_committed(acceptance, k)
+    batch = _check("batch", batch, 1, integer=True)
+    values = _acceptance(acceptance)
+    k = _check("k", k, 0, integer=True)
     rtt_s = _check("rtt_s", rtt_s, 0)
-    if k == 0:
-        round_s = verify.seconds(batch, 1)
-    elif pipelined:  # the draft of one micro-batch hides behind the other's verify + transfer
-        round_s = max(verify.seconds(batch, k + 1) + rtt_s, k * draft.seconds(batch))
-    else:
-        round_s = k * draft.seconds(batch) + rtt_s + verify.seconds(batch, k + 1)
-    return committed / round_s if round_s > 0 else math.inf
+    return _rates(_committed_prefix(values, k), k, batch, verify, draft, rtt_s, pipelined)[0]
 
 
 @dataclass(frozen=True)
@@ -230,11 +316,16 @@ def choose_k(
     cap = config.max_k
     if max_tokens_left is not None:
         cap = min(cap, _check("max_tokens_left", max_tokens_left, 1, integer=True) - 1)
-    costs = {"batch": batch, "verify": verify, "draft": draft, "rtt_s": rtt_s}
-    rates = [
-        predicted_tokens_per_s(acceptance, k, **costs, pipelined=pipelined) for k in range(cap + 1)
-    ]
-    best = max(range(1, cap + 1), key=lambda k: (rates[k], -k), default=0)
+    # Validate once (the checks, order and messages of predicted_tokens_per_s), then rate every
+    # k in one pass with the same floating-point operations, hence the same rates.
+    batch = _check("batch", batch, 1, integer=True)
+    committed = _committed_prefix(_acceptance(acceptance), cap)
+    rtt_s = _check("rtt_s", rtt_s, 0)
+    rates = _rates(committed, 0, batch, verify, draft, rtt_s, pipelined)
+    best = 0
+    for k in range(1, cap + 1):
+        if best == 0 or rates[k] > rates[best]:  # strict: ties go to the smaller k
+            best = k
     return best if best and rates[best] > config.min_gain * rates[0] else 0
 
 
@@ -266,6 +357,10 @@ class AcceptanceEstimator:
         self._reached: list[float] = []
         self._accepted: list[float] = []
         self._rounds_since_speculation = 0
+        # Estimates only change in update(); acceptance() is called every round, so cache them.
+        self._alphas: list[float] | None = None  # one per tracked position
+        self._pooled = self.prior_alpha
+        self._last: tuple[int, list[float]] | None = None  # (max_k, answer) of the last call
 
     @property
     def rounds_since_speculation(self) -> int:
@@ -287,12 +382,25 @@ class AcceptanceEstimator:
             c * self.decay + (j < accepted) for j, c in enumerate(self._accepted + grow)
         ]
         self._rounds_since_speculation = 0
+        self._alphas = self._last = None
 
     def acceptance(self, max_k: int) -> list[float]:
-        """α_1..α_max_k."""
+        """α_1..α_max_k (a new list each call)."""
+        last = self._last
+        if last is not None and type(max_k) is int and last[0] == max_k:
+            return last[1][:]
         max_k = _check("max_k", max_k, 0, integer=True)
-        weight = self.prior_weight
-        pooled = (sum(self._accepted) + weight * self.prior_alpha) / (sum(self._reached) + weight)
-        counts = list(zip(self._accepted, self._reached, strict=True))[:max_k]
-        alphas = [(accepted + weight * pooled) / (reached + weight) for accepted, reached in counts]
-        return alphas + [pooled] * (max_k - len(alphas))
+        if self._alphas is None:
+            weight = self.prior_weight
+            pooled = (sum(self._accepted) + weight * self.prior_alpha) / (
+                sum(self._reached) + weight
+            )
+            self._alphas = [
+                (accepted + weight * pooled) / (reached + weight)
+                for accepted, reached in zip(self._accepted, self._reached, strict=True)
+            ]
+            self._pooled = pooled
+        alphas = self._alphas[:max_k]
+        alphas += [self._pooled] * (max_k - len(alphas))
+        self._last = (max_k, alphas)
+        return alphas[:]

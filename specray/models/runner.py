@@ -16,6 +16,7 @@ Feeding A 1 token and B 2 tokens appends 2 slots; A's second new slot is padding
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Mapping, Sequence
 
 import torch
@@ -127,6 +128,25 @@ class ModelRunner:
             layer.keys = layer.keys.gather(2, gather)
             layer.values = layer.values.gather(2, gather)
         self.valid = valid
+
+    # ---- calibration -------------------------------------------------------------------
+    @torch.inference_mode()
+    def time_forward(
+        self, batch: int, tokens: int, *, context: int = 32, repeats: int = 3
+    ) -> float:
+        """Best-of-``repeats`` seconds of one forward of ``tokens`` new tokens (with logits) for
+        ``batch`` sequences of ``context`` cached tokens: the cost model's measurements."""
+        ids = [f"calibration-{row}" for row in range(batch)]  # strings: msgpack-safe (TP)
+        self.forward({seq_id: [1] * context for seq_id in ids}, {})
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            self.forward({seq_id: [1] * tokens for seq_id in ids}, dict.fromkeys(ids, tokens))
+            best = min(best, time.perf_counter() - started)
+            for seq_id in ids:
+                self.rollback(seq_id, tokens)
+        self.remove(ids)
+        return best
 
     # ---- forward -----------------------------------------------------------------------
     @torch.inference_mode()

@@ -60,7 +60,12 @@ def _cost(name: str, cls: type, value: Any):
     """A VerifyCost / DraftCost from itself or a mapping, errors prefixed with ``name``."""
     if isinstance(value, cls):
         return value
-    data = _mapping(name, value, {f.name for f in fields(cls)}, required=True)
+    data = _mapping(name, value, {f.name for f in fields(cls)})
+    if "table" not in data:  # a line needs every coefficient; a measured table needs none
+        missing = [f.name for f in fields(cls) if f.name != "table" and f.name not in data]
+        if missing:
+            raise SimConfigError(f"{name} is missing {missing[0]!r}")
+    data = {f.name: 0.0 for f in fields(cls) if f.name != "table"} | data
     try:
         return cls(**data)
     except ValueError as error:

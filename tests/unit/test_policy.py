@@ -1,5 +1,7 @@
 """Speculation-length policy: E(k), round time, choice of k, cost fits, acceptance tracking."""
 
+import math
+import random
 import re
 
 import pytest
@@ -128,6 +130,79 @@ def test_ties_go_to_smaller_k():
     assert choose_k([1.0, 0.0], **costs, pipelined=False, config=PolicyConfig()) == 1
 
 
+def _random_case(rng):
+    """Acceptance lists of 0..10 values (some exactly 0 or 1, some ints) and varied costs."""
+    acceptance = [
+        rng.choice([rng.random(), rng.random(), 0.0, 1.0, 1]) for _ in range(rng.randrange(11))
+    ]
+    verify = VerifyCost(
+        *(rng.choice([0.0, rng.uniform(0, 0.02), rng.uniform(0, 1e-4)]) for _ in range(3))
+    )
+    draft = DraftCost(
+        *(rng.choice([0.0, rng.uniform(0, 0.01), rng.uniform(0, 1e-4)]) for _ in range(2))
+    )
+    costs = dict(
+        batch=rng.choice([1, 2, 4, 16, 64, 512]),
+        verify=verify,
+        draft=draft,
+        rtt_s=rng.choice([0.0, 0.0002, rng.uniform(0, 0.05)]),
+        pipelined=rng.random() < 0.5,
+    )
+    config = PolicyConfig(
+        max_k=rng.randrange(33), min_gain=rng.choice([1.0, 1.02, rng.uniform(1, 2)])
+    )
+    return acceptance, costs, config
+
+
+def test_choose_k_matches_brute_force_argmax_over_predicted_rates():
+    rng = random.Random(20240611)
+    speculated = 0
+    for _ in range(2000):
+        acceptance, costs, config = _random_case(rng)
+        max_tokens_left = rng.choice([None, None, rng.randrange(1, 12)])
+        cap = config.max_k if max_tokens_left is None else min(config.max_k, max_tokens_left - 1)
+        rates = [predicted_tokens_per_s(acceptance, k, **costs) for k in range(cap + 1)]
+        best = 0
+        for k in range(1, cap + 1):  # first maximum: ties go to the smaller k
+            best = k if best == 0 or rates[k] > rates[best] else best
+        expected = best if best and rates[best] > config.min_gain * rates[0] else 0
+        got = choose_k(acceptance, **costs, config=config, max_tokens_left=max_tokens_left)
+        assert got == expected, (acceptance, costs, config, max_tokens_left)
+        speculated += got > 0
+    assert 200 < speculated < 1800  # the grid exercises both outcomes
+
+
+def test_predicted_rate_is_exactly_the_cost_model_formula():
+    # predicted_tokens_per_s / choose_k evaluate round times from per-batch terms; they must be
+    # bit-identical to composing the public cost methods per k.
+    rng = random.Random(7)
+    for _ in range(500):
+        acceptance, costs, _ = _random_case(rng)
+        batch, verify, draft = costs["batch"], costs["verify"], costs["draft"]
+        rtt_s, pipelined = costs["rtt_s"], costs["pipelined"]
+        for k in range(12):
+            committed = 1.0
+            reach = 1.0
+            for j in range(k):
+                reach *= float(acceptance[min(j, len(acceptance) - 1)]) if acceptance else 0.0
+                committed += reach
+            assert expected_committed(acceptance, k) == committed
+            if k == 0:
+                round_s = verify.seconds(batch, 1)
+            elif pipelined:
+                round_s = max(verify.seconds(batch, k + 1) + rtt_s, k * draft.seconds(batch))
+            else:
+                round_s = k * draft.seconds(batch) + rtt_s + verify.seconds(batch, k + 1)
+            expected = batch * committed / round_s if round_s > 0 else math.inf
+            assert predicted_tokens_per_s(acceptance, k, **costs) == expected
+
+
+def test_free_rounds_predict_infinite_rate_and_do_not_speculate():
+    costs = dict(batch=4, verify=VerifyCost(0, 0, 0), draft=DraftCost(0, 0), rtt_s=0)
+    assert predicted_tokens_per_s([0.9], 3, **costs, pipelined=False) == math.inf
+    assert choose_k([0.9], **costs, pipelined=False, config=PolicyConfig()) == 0
+
+
 def test_fit_verify_cost_recovers_coefficients_and_falls_back():
     prior = VerifyCost(1.0, 1.0, 1.0)
     samples = [(b, t, VERIFY.seconds(b, t)) for b in (1, 2, 4, 8) for t in (1, 3, 5)]
@@ -174,6 +249,23 @@ def test_estimator_prior_worked_example_and_limits():
         rejecting.update(4, 0)
     assert min(accepting.acceptance(8)) > 0.95
     assert rejecting.acceptance(1)[0] < 0.1
+
+
+def test_estimator_acceptance_is_a_fresh_list_that_follows_updates():
+    estimator = AcceptanceEstimator()
+    first = estimator.acceptance(4)
+    first[0] = 99.0  # callers may mutate what they get
+    assert estimator.acceptance(4) == [0.5] * 4
+    assert estimator.acceptance(2) == [0.5] * 2
+    estimator.update(4, 2)
+    assert estimator.acceptance(5) == pytest.approx([2.2 / 3, 2.2 / 3, 0.4, 0.6, 0.6])
+    assert estimator.acceptance(2) == pytest.approx([2.2 / 3, 2.2 / 3])
+    estimator.observe_target_only()  # no data: same estimates
+    assert estimator.acceptance(5) == pytest.approx([2.2 / 3, 2.2 / 3, 0.4, 0.6, 0.6])
+    estimator.update(4, 4)
+    assert estimator.acceptance(5)[0] > 2.2 / 3
+    with pytest.raises(ValueError, match="max_k must be"):
+        estimator.acceptance(True)
 
 
 def test_estimator_decay_makes_recent_data_dominate():
@@ -230,6 +322,9 @@ def _costs(**overrides):
             lambda: choose_k([0.5], **_costs(), config=PolicyConfig(), max_tokens_left=0),
             "max_tokens_left",
         ),
+        (lambda: choose_k([0.5], **_costs(batch=0), config=PolicyConfig()), "batch"),
+        (lambda: choose_k([0.5, float("nan")], **_costs(), config=PolicyConfig()), "acceptance[1]"),
+        (lambda: choose_k([0.5], **_costs(rtt_s=math.inf), config=PolicyConfig()), "rtt_s"),
         (
             lambda: fit_verify_cost([(1, 1, 0.01), (2, 0, 0.01)], VERIFY),
             "samples[1] tokens_per_request",
@@ -247,3 +342,30 @@ def _costs(**overrides):
 def test_validation_errors_name_the_parameter(make, name):
     with pytest.raises(ValueError, match=re.escape(name) + " must be"):
         make()
+
+
+def test_measured_tables_interpolate_and_extrapolate():
+    # Measured here (ms): one row is a fast matrix-vector product; 2..5 rows cost about the same.
+    verify = VerifyCost(0.0, 0.0, 0.0, table=((1, 0.075), (2, 0.126), (3, 0.18), (5, 0.177)))
+    assert verify.seconds(1, 1) == 0.075
+    assert verify.seconds(1, 4) == pytest.approx((0.18 + 0.177) / 2)
+    assert verify.seconds(2, 5) == pytest.approx(0.177 + (0.177 - 0.18) / 2 * 5)  # past the end
+    draft = DraftCost(0.0, 0.0, table=((1, 0.05), (8, 0.12)))
+    assert draft.seconds(4) == pytest.approx(0.05 + 0.07 * 3 / 7)
+    with pytest.raises(ValueError, match="increasing"):
+        VerifyCost(0.0, 0.0, 0.0, table=((2, 0.1), (1, 0.2)))
+
+
+def test_a_table_where_short_blocks_cost_as_much_as_long_ones_prefers_long_blocks():
+    verify = VerifyCost(0.0, 0.0, 0.0, table=((1, 0.075), (2, 0.17), (9, 0.18)))
+    draft = DraftCost(0.0, 0.0, table=((1, 0.001),))
+    k = choose_k(
+        [0.95] * 8,
+        batch=1,
+        verify=verify,
+        draft=draft,
+        rtt_s=0.0,
+        pipelined=False,
+        config=PolicyConfig(max_k=8),
+    )
+    assert k == 8
