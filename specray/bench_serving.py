@@ -183,19 +183,16 @@ async def _reset(coordinator: Coordinator) -> None:
     coordinator.reset_stats()
 
 
-def pipelined_bound(row: dict, target_only: dict) -> float:
-    """DESIGN.md section 5 at batch 1: E / max(verify(K+1)/verify(1) + r/T, K·c)."""
+def pipelined_bound(row: dict, calibration) -> float:
+    """DESIGN.md section 5 at batch 1: E / max(verify(K+1)/verify(1) + r/T, K·c), with the
+    measured acceptance and mean K of the row and the costs calibrated on the workers."""
+    verify, draft = calibration
     k = max(round(row["mean_k"]), 1)
     alpha = acceptance_from_mean_length(row["mean_acceptance_length"], k)
     expected = sum(alpha**i for i in range(k + 1))
-    verify = row["verify_cost"]
-
-    def step(tokens: int) -> float:
-        return verify["fixed_s"] + verify["per_request_s"] + verify["per_token_s"] * tokens
-
-    target_step_s = 1.0 / target_only["tokens_per_s"]
-    ratio = step(k + 1) / step(1)
-    c = row["draft_step_s"] / target_step_s
+    target_step_s = verify.seconds(1, 1)
+    ratio = verify.seconds(1, k + 1) / target_step_s
+    c = (draft or DEFAULT_DRAFT_PRIOR).seconds(1) / target_step_s
     return expected / max(ratio + row["rtt_s"] / target_step_s, k * c)
 
 
@@ -289,7 +286,7 @@ def run_serving_bench(config: ServingBenchConfig) -> dict:
         )
         row["matches_target_only"] = row["outputs"] == baseline["outputs"]
         if row["mode"] != "target-only" and row["mean_k"] > 0 and row["concurrency"] == 1:
-            bound = pipelined_bound(row, baseline)
+            bound = pipelined_bound(row, calibration)
             row["pipelined_bound"] = bound
             row["fraction_of_bound"] = row["speedup"] / bound
     for row in rows:
