@@ -40,7 +40,7 @@ from specray.cluster.policy import (
     choose_k,
     fit_draft_cost,
     fit_verify_cost,
-    should_probe,
+    predicted_tokens_per_s,
 )
 from specray.core import RequestState
 from specray.errors import (
@@ -258,6 +258,7 @@ class Coordinator:
         self._background: set[asyncio.Future] = set()  # replacements under way
         # Incremented when a worker is replaced: failures of calls to an older one are ignored.
         self._draft_generation = [0] * (drafts.num_workers if drafts else 0)
+        self._rounds_off = [0] * config.num_micro_batches  # rounds in a row without drafts
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -397,9 +398,12 @@ class Coordinator:
     async def _run_micro_batch(self, index: int) -> None:
         batch = self._batches[index]
         while True:
-            self._expire_waiting()
-            self._admit(batch)
-            await self._reap(batch)
+            try:
+                self._expire_waiting()
+                self._admit(index)
+                await self._reap(batch)
+            except Exception:  # never let the loop die: its requests would wait forever
+                log.exception("admission or release failed")
             if not batch:
                 if self._draining and not self._waiting:
                     return
@@ -407,7 +411,7 @@ class Coordinator:
                 await self._wait_for_work()
                 continue
             try:
-                await self._round(batch)
+                await self._round(index)
             except Exception as error:  # a target failure: fail the batch, stay up
                 log.exception("round failed")
                 for request in list(batch):
@@ -438,11 +442,21 @@ class Coordinator:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wakeup.wait(), timeout)
 
-    def _admit(self, batch: list[_Request]) -> None:
-        """Join waiting requests at this block boundary, keeping micro-batches balanced."""
+    def _admit(self, index: int) -> None:
+        """Join waiting requests at this block boundary. While the group speculates, keep the
+        micro-batches balanced (one drafts while another verifies); while it does not, the
+        first takes everyone: with nothing to overlap, one large batch verifies fastest."""
+        batch = self._batches[index]
+        if not self._waiting or self.num_running >= self.config.max_running:
+            return
+        total = min(self.num_running + len(self._waiting), self.config.max_running)
+        splitting = self._split_pays(total)
+        if not splitting and index > 0:
+            return
         while self._waiting and self.num_running < self.config.max_running:
             total = self.num_running + len(self._waiting)
-            if len(batch) >= math.ceil(total / self.config.num_micro_batches):
+            share = math.ceil(total / self.config.num_micro_batches) if splitting else total
+            if len(batch) >= share:
                 return
             request = self._waiting.pop(0)
             if self.drafts is not None:
@@ -501,17 +515,84 @@ class Coordinator:
                 except Exception as error:  # a dead worker holds nothing; it is being replaced
                     log.warning("draft worker %d release failed: %s", worker, error)
 
-    def _choose_k(self, request: _Request, batch_size: int) -> int:
-        remaining = request.state.remaining
-        cap = min(self.config.num_speculative_tokens, remaining - 1)
-        if cap <= 0 or self.drafts is None:
+    def _cap(self, request: _Request) -> int:
+        """The largest k this request can take this round (0: it cannot speculate)."""
+        cap = min(self.config.num_speculative_tokens, request.state.remaining - 1)
+        if cap <= 0 or self.drafts is None or not request.draft_ready:
             return 0
-        if not request.draft_ready or not self.drafts.available(request.draft_worker):
-            return 0
+        return cap if self.drafts.available(request.draft_worker) else 0
+
+    def _choose_ks(self, index: int, requests: list[_Request]) -> list[int]:
+        """k per request. A round waits for every block it expects, so a few drafting requests
+        would stall the rest: the batch speculates when most of it wants to. When the batch
+        has not speculated for ``probe_every_rounds`` rounds it probes, all together, so that
+        acceptance is re-measured and speculation comes back when it pays again."""
+        caps = [self._cap(request) for request in requests]
         if not self.config.adaptive_k:
-            return cap
+            return caps
+        ks = [self._policy_k(r, cap, len(requests)) for r, cap in zip(requests, caps, strict=True)]
+        if 2 * sum(k > 0 for k in ks) <= len(ks):
+            ks = [0] * len(ks)
+        if any(ks):
+            self._rounds_off[index] = 0
+            return ks
+        self._rounds_off[index] += 1
+        probe_due = self._rounds_off[index] >= self.config.policy.probe_every_rounds
+        if any(caps) and probe_due and self._could_pay(len(requests)):
+            self._rounds_off[index] = 0
+            return [min(self.config.policy.probe_k, cap) for cap in caps]
+        return ks
+
+    def _could_pay(self, batch_size: int) -> bool:
+        """Would speculation pay at this batch size if every draft were accepted? If not, no
+        acceptance measurement can change the answer: no probes, no micro-batch split."""
+        if self.drafts is None or self.config.num_speculative_tokens == 0:
+            return False
+        if not self.config.adaptive_k:
+            return True
+        best = choose_k(
+            [1.0],
+            batch=max(batch_size, 1),
+            verify=self.costs.verify,
+            draft=self.costs.draft,
+            rtt_s=self.costs.rtt_s,
+            pipelined=self.config.num_micro_batches > 1 or self.config.draft_ahead,
+            config=self.config.policy,
+        )
+        return best > 0
+
+    def _split_pays(self, total: int) -> bool:
+        """Split the running requests into micro-batches only when speculating on the halves
+        beats verifying everyone in one batch without drafts. With one target and pipelining,
+        the group's rate is one micro-batch's rate (the target alternates between them)."""
+        if self.config.num_micro_batches == 1 or total < 2:
+            return False
+        if not self.config.adaptive_k:
+            return self.drafts is not None
+        if not self._could_pay(total):
+            return False
+        size = math.ceil(total / self.config.num_micro_batches)
+        acceptance = self._group_acceptance.acceptance(self.config.num_speculative_tokens)
+        split = max(
+            predicted_tokens_per_s(
+                acceptance,
+                k,
+                batch=size,
+                verify=self.costs.verify,
+                draft=self.costs.draft,
+                rtt_s=self.costs.rtt_s,
+                pipelined=True,
+            )
+            for k in range(1, self.config.num_speculative_tokens + 1)
+        )
+        single = total / self.costs.verify.seconds(max(total, 1), 1)
+        return split > self.config.policy.min_gain * single
+
+    def _policy_k(self, request: _Request, cap: int, batch_size: int) -> int:
+        if cap == 0:
+            return 0
         pipelined = self.config.num_micro_batches > 1 or self.config.draft_ahead
-        k = choose_k(
+        return choose_k(
             request.estimator.acceptance(self.config.num_speculative_tokens),
             batch=batch_size,
             verify=self.costs.verify,
@@ -519,18 +600,14 @@ class Coordinator:
             rtt_s=self.costs.rtt_s,
             pipelined=pipelined,
             config=self.config.policy,
-            max_tokens_left=remaining,
+            max_tokens_left=cap + 1,
         )
-        if k == 0 and should_probe(request.estimator.rounds_since_speculation, self.config.policy):
-            k = min(self.config.policy.probe_k, cap)
-        if k == 0:
-            request.estimator.observe_target_only()
-        return k
 
-    async def _round(self, batch: list[_Request]) -> None:
+    async def _round(self, index: int) -> None:
+        batch = self._batches[index]
         requests = list(batch)
         self._start_draft_prefills(requests)
-        ks = [self._choose_k(request, len(requests)) for request in requests]
+        ks = self._choose_ks(index, requests)
         target_items, draft_items = [], {}
         for request, k in zip(requests, ks, strict=True):
             request.step += 1

@@ -64,7 +64,14 @@ async def _run_point(config: SimConfig, *, speculative: bool) -> dict[str, Any]:
     inbox = SimInbox()
     target = SimTargetBackend(latency, config.acceptance, inbox, random.Random(workload.seed))
     drafts = SimDraftBackend(config.num_draft_workers, latency, inbox) if speculative else None
-    overrides = {"max_queue": workload.concurrency, **config.coordinator}
+    # Like a deployment that calibrated its workers (DistributedBackend.calibrate), the
+    # coordinator starts from the true costs unless the config gives other priors.
+    overrides = {
+        "max_queue": workload.concurrency,
+        "verify_prior": latency.verify,
+        "draft_prior": latency.draft_step,
+        **config.coordinator,
+    }
     if not speculative:
         overrides["num_speculative_tokens"] = 0
     coordinator = Coordinator(
