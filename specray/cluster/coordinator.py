@@ -170,6 +170,21 @@ class _Request:
     chunk_gaps_s: list[float] = field(default_factory=list)
 
 
+def _level(level: float, observed_s: float, calibrated_s: float) -> float:
+    """Running ratio of observed to calibrated time. Calibration measures one worker alone;
+    in service the workers share hosts, networks and caches with the rest, so the level moves
+    (measured here: both workers slow down ~1.5-2x when draft and target compute at once)."""
+    if calibrated_s <= 0:
+        return level
+    ratio = min(max(observed_s / calibrated_s, 0.25), 4.0)
+    return 0.8 * level + 0.2 * ratio
+
+
+def _scaled(cost, level: float):
+    """The calibrated table with every time multiplied by ``level``."""
+    return replace(cost, table=tuple((tokens, seconds * level) for tokens, seconds in cost.table))
+
+
 @dataclass
 class _Costs:
     """Measured costs, refitted as samples arrive."""
@@ -181,21 +196,27 @@ class _Costs:
     draft_samples: list = field(default_factory=list)  # (batch, seconds per step)
     num_verify: int = 0  # samples ever added
     num_draft: int = 0
+    verify_level: float = 1.0  # observed / calibrated time (running), for calibrated tables
+    draft_level: float = 1.0
 
     def add_verify(self, batch: int, tokens: int, seconds: float, prior: VerifyCost) -> None:
         self.verify_samples = [*self.verify_samples[-COST_SAMPLES + 1 :], (batch, tokens, seconds)]
         self.num_verify += 1
-        if prior.table:  # a calibrated table beats a line fitted to what the rounds happen to be
-            return
-        if self.num_verify <= REFIT_EVERY or self.num_verify % REFIT_EVERY == 0:
+        if prior.table:  # a calibrated shape, its level tracked from the rounds (see _level)
+            self.verify_level = _level(self.verify_level, seconds, prior.seconds(batch, tokens))
+            if self.num_verify % REFIT_EVERY == 0:
+                self.verify = _scaled(prior, self.verify_level)
+        elif self.num_verify <= REFIT_EVERY or self.num_verify % REFIT_EVERY == 0:
             self.verify = fit_verify_cost(self.verify_samples, prior)
 
     def add_draft(self, batch: int, seconds_per_step: float, prior: DraftCost) -> None:
         self.draft_samples = [*self.draft_samples[-COST_SAMPLES + 1 :], (batch, seconds_per_step)]
         self.num_draft += 1
         if prior.table:
-            return
-        if self.num_draft <= REFIT_EVERY or self.num_draft % REFIT_EVERY == 0:
+            self.draft_level = _level(self.draft_level, seconds_per_step, prior.seconds(batch))
+            if self.num_draft % REFIT_EVERY == 0:
+                self.draft = _scaled(prior, self.draft_level)
+        elif self.num_draft <= REFIT_EVERY or self.num_draft % REFIT_EVERY == 0:
             self.draft = fit_draft_cost(self.draft_samples, prior)
 
     def add_rtt(self, seconds: float) -> None:
