@@ -74,6 +74,7 @@ def test_pipelined_adaptive_sampling_follows_the_target_through_a_draft_kill(clu
         exported = _samples(engine.runner.coordinator.metrics.render().decode())
     finally:
         engine.shutdown()
+    print(f"pipelined + kill: {fit.describe()}; control {control.describe()}")
     assert failures == 1, "the draft worker was killed mid-run"
     assert fit.impossible_count == 0 and fit.p_value > ALPHA, fit.describe()
     assert control.p_value < ALPHA, "negative control must be rejected"
@@ -134,6 +135,7 @@ def test_draft_ahead_sampling_follows_the_target(cluster, tiny_pair):
         reused = stats.reused_tokens
     finally:
         engine.shutdown()
+    print(f"draft-ahead: {fit.describe()}; control {control.describe()}; reused {reused}")
     assert reused > 0, "some drafts made ahead were kept"
     assert fit.impossible_count == 0 and fit.p_value > ALPHA, fit.describe()
     assert control.p_value < ALPHA, "negative control must be rejected"
