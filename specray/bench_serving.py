@@ -39,6 +39,7 @@ class ServingBenchConfig:
     num_speculative_tokens: int = 8  # the largest k the policy may choose
     temperature: float = 0.0
     draft_probs_encoding: str = "top64"  # sparse q: ~0.5 kB per drafted token instead of 196 kB
+    draft_deadline_s: float = 5.0  # how long the target waits for a block before going alone
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "requests_per_client", "num_speculative_tokens"):
@@ -86,6 +87,7 @@ def _mode_config(
         num_speculative_tokens=0 if mode == "target-only" else config.num_speculative_tokens,
         adaptive_k=True,
         draft_ahead=pipelined,
+        draft_deadline_s=config.draft_deadline_s,
     )
 
 

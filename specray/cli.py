@@ -72,6 +72,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--draft", default="default", help="drafter for --concurrency")
     bench.add_argument("--requests-per-client", type=int, default=2, help="for --concurrency")
+    bench.add_argument(
+        "--draft-deadline",
+        type=float,
+        default=5.0,
+        help="for --concurrency: seconds the target waits for a block before going alone",
+    )
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per configuration")
 
@@ -151,6 +157,7 @@ def _serving_bench(args: argparse.Namespace) -> int:
         concurrency=parse_concurrency(args.concurrency),
         max_tokens=args.max_tokens,
         requests_per_client=args.requests_per_client,
+        draft_deadline_s=args.draft_deadline,
     )
     report = run_serving_bench(config)
     if args.json:
