@@ -436,3 +436,34 @@ def test_processes_give_the_same_rows():
     config = _config(sweep={"num_speculative_tokens": [2, 4]})
     seen = []
     assert simulate(config, processes=2, on_row=seen.append) == simulate(config) == seen
+
+
+# Calibrated on this machine (DistributedBackend.calibrate): a bf16 self-draft that batches badly.
+CPU_VERIFY = VerifyCost(0.0, 0.0, 0.0, table=((1, 0.085), (3, 0.186), (8, 0.183), (16, 0.221),
+                                               (32, 0.395), (48, 0.449), (144, 0.733)))  # fmt: skip
+CPU_DRAFT = DraftCost(0.0, 0.0, table=((1, 0.056), (4, 0.154), (8, 0.278), (16, 0.567)))
+
+
+def test_speculation_off_when_it_cannot_pay_even_at_full_acceptance():
+    """Concurrency 16 on the CPU costs: even α = 1 does not pay, so the pipelined coordinator
+    neither splits the batch nor probes, and runs exactly as fast as target-only."""
+    latency = LatencyModel(verify=CPU_VERIFY, draft_step=CPU_DRAFT, rtt_s=0.004)
+    workload = Workload(concurrency=16, num_requests=32, prompt_tokens=60, max_tokens=32)
+    coordinator = {"num_micro_batches": 2, "draft_ahead": True, "num_speculative_tokens": 8}
+    (row,) = simulate(
+        _config(alpha=(1.0,), latency=latency, workload=workload, coordinator=coordinator)
+    )
+    assert row["mean_k"] == 0
+    assert row["tokens_per_s"] == pytest.approx(row["target_only_tokens_per_s"], rel=0.01)
+    assert row["target_busy_fraction"] > 0.95
+
+
+def test_speculation_on_at_concurrency_one_on_the_same_costs():
+    latency = LatencyModel(verify=CPU_VERIFY, draft_step=CPU_DRAFT, rtt_s=0.004)
+    workload = Workload(concurrency=1, num_requests=3, prompt_tokens=60, max_tokens=32)
+    coordinator = {"num_micro_batches": 2, "draft_ahead": True, "num_speculative_tokens": 8}
+    (row,) = simulate(
+        _config(alpha=(1.0,), latency=latency, workload=workload, coordinator=coordinator)
+    )
+    assert row["mean_k"] > 1  # draft tokens per target step, prefill rounds included
+    assert row["speedup"] > 1.2
