@@ -27,10 +27,10 @@ import contextlib
 import itertools
 import logging
 import math
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from specray.cluster.backends import DraftBackend, TargetBackend
+from specray.cluster.costs import Costs
 from specray.cluster.metrics import CoordinatorMetrics
 from specray.cluster.policy import (
     AcceptanceEstimator,
@@ -38,10 +38,10 @@ from specray.cluster.policy import (
     PolicyConfig,
     VerifyCost,
     choose_k,
-    fit_draft_cost,
-    fit_verify_cost,
     predicted_tokens_per_s,
+    should_probe,
 )
+from specray.cluster.streams import RequestStream
 from specray.core import RequestState
 from specray.errors import (
     DeadlineExceededError,
@@ -57,10 +57,8 @@ from specray.sampling.rng import random_seed
 
 log = logging.getLogger(__name__)
 RTT_PROBE_INTERVAL_S = 0.5  # how often the coordinator times a no-op call to the target
-COST_SAMPLES = 256  # recent timing samples kept for the cost fits
 GROUP_ACCEPTANCE_DECAY = 0.99  # the group's running acceptance: new requests start from it
 REQUEST_PRIOR_WEIGHT = 4.0  # pseudo-observations of that prior in a request's own estimate
-REFIT_EVERY = 8  # refit the cost models every this many samples (a fit costs ~ms of CPU)
 # Cost priors until measurements arrive (seconds): verification barely growing with tokens and
 # a cheap draft, so speculation starts on and the fits take over within a few rounds.
 DEFAULT_VERIFY_PRIOR = VerifyCost(fixed_s=0.05, per_request_s=0.01, per_token_s=0.003)
@@ -110,49 +108,6 @@ class CoordinatorConfig:
 
 
 @dataclass
-class StreamDelta:
-    token_ids: list[int]  # newly committed tokens (may be empty on the final delta)
-    output: RequestOutput | None = None  # set on the final delta
-
-
-class RequestStream:
-    """Committed tokens of one request as they are committed; ``result()`` waits for the end."""
-
-    def __init__(self, request_id: str):
-        self.request_id = request_id
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._output: RequestOutput | None = None
-        self._error: SpecrayError | None = None
-        self._done = asyncio.Event()
-
-    def _push(self, token_ids: list[int]) -> None:
-        self._queue.put_nowait(StreamDelta(list(token_ids)))
-
-    def _finish(self, output: RequestOutput | None, error: SpecrayError | None) -> None:
-        self._output, self._error = output, error
-        self._queue.put_nowait(StreamDelta([], output) if error is None else error)
-        self._done.set()
-
-    def __aiter__(self) -> AsyncIterator[StreamDelta]:
-        return self._iterate()
-
-    async def _iterate(self):
-        while True:
-            item = await self._queue.get()
-            if isinstance(item, SpecrayError):
-                raise item
-            yield item
-            if item.output is not None:
-                return
-
-    async def result(self) -> RequestOutput:
-        await self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._output
-
-
-@dataclass
 class _Request:
     state: RequestState
     stream: RequestStream
@@ -168,59 +123,6 @@ class _Request:
     first_token_s: float | None = None
     last_emit_s: float | None = None
     chunk_gaps_s: list[float] = field(default_factory=list)
-
-
-def _level(level: float, observed_s: float, calibrated_s: float) -> float:
-    """Running ratio of observed to calibrated time. Calibration measures one worker alone;
-    in service the workers share hosts, networks and caches with the rest, so the level moves
-    (measured here: both workers slow down ~1.5-2x when draft and target compute at once)."""
-    if calibrated_s <= 0:
-        return level
-    ratio = min(max(observed_s / calibrated_s, 0.25), 4.0)
-    return 0.8 * level + 0.2 * ratio
-
-
-def _scaled(cost, level: float):
-    """The calibrated table with every time multiplied by ``level``."""
-    return replace(cost, table=tuple((tokens, seconds * level) for tokens, seconds in cost.table))
-
-
-@dataclass
-class _Costs:
-    """Measured costs, refitted as samples arrive."""
-
-    verify: VerifyCost
-    draft: DraftCost
-    rtt_s: float
-    verify_samples: list = field(default_factory=list)  # (batch, tokens per request, seconds)
-    draft_samples: list = field(default_factory=list)  # (batch, seconds per step)
-    num_verify: int = 0  # samples ever added
-    num_draft: int = 0
-    verify_level: float = 1.0  # observed / calibrated time (running), for calibrated tables
-    draft_level: float = 1.0
-
-    def add_verify(self, batch: int, tokens: int, seconds: float, prior: VerifyCost) -> None:
-        self.verify_samples = [*self.verify_samples[-COST_SAMPLES + 1 :], (batch, tokens, seconds)]
-        self.num_verify += 1
-        if prior.table:  # a calibrated shape, its level tracked from the rounds (see _level)
-            self.verify_level = _level(self.verify_level, seconds, prior.seconds(batch, tokens))
-            if self.num_verify % REFIT_EVERY == 0:
-                self.verify = _scaled(prior, self.verify_level)
-        elif self.num_verify <= REFIT_EVERY or self.num_verify % REFIT_EVERY == 0:
-            self.verify = fit_verify_cost(self.verify_samples, prior)
-
-    def add_draft(self, batch: int, seconds_per_step: float, prior: DraftCost) -> None:
-        self.draft_samples = [*self.draft_samples[-COST_SAMPLES + 1 :], (batch, seconds_per_step)]
-        self.num_draft += 1
-        if prior.table:
-            self.draft_level = _level(self.draft_level, seconds_per_step, prior.seconds(batch))
-            if self.num_draft % REFIT_EVERY == 0:
-                self.draft = _scaled(prior, self.draft_level)
-        elif self.num_draft <= REFIT_EVERY or self.num_draft % REFIT_EVERY == 0:
-            self.draft = fit_draft_cost(self.draft_samples, prior)
-
-    def add_rtt(self, seconds: float) -> None:
-        self.rtt_s = 0.9 * self.rtt_s + 0.1 * max(seconds, 0.0)
 
 
 @dataclass
@@ -267,7 +169,7 @@ class Coordinator:
         self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
         self.max_positions, self.tokenizer = max_positions, tokenizer
         self.metrics = CoordinatorMetrics(model_name)
-        self.costs = _Costs(config.verify_prior, config.draft_prior, config.rtt_prior_s)
+        self.costs = Costs(config.verify_prior, config.draft_prior, config.rtt_prior_s)
         self.stats = CoordinatorStats()
         self._ids = itertools.count()
         self._group_acceptance = AcceptanceEstimator(decay=GROUP_ACCEPTANCE_DECAY)
@@ -558,7 +460,7 @@ class Coordinator:
             self._rounds_off[index] = 0
             return ks
         self._rounds_off[index] += 1
-        probe_due = self._rounds_off[index] >= self.config.policy.probe_every_rounds
+        probe_due = should_probe(self._rounds_off[index], self.config.policy)
         if any(caps) and probe_due and self._could_pay(len(requests)):
             self._rounds_off[index] = 0
             return [min(self.config.policy.probe_k, cap) for cap in caps]

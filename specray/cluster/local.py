@@ -8,7 +8,8 @@ import asyncio
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from specray.cluster.coordinator import Coordinator, RequestStream, StreamDelta
+from specray.cluster.coordinator import Coordinator
+from specray.cluster.streams import RequestStream, StreamDelta
 from specray.outputs import RequestOutput
 from specray.sampling import SamplingParams
 

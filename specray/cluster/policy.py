@@ -356,21 +356,13 @@ class AcceptanceEstimator:
             raise ValueError(f"decay must be in (0, 1], got {decay!r}")
         self._reached: list[float] = []
         self._accepted: list[float] = []
-        self._rounds_since_speculation = 0
         # Estimates only change in update(); acceptance() is called every round, so cache them.
         self._alphas: list[float] | None = None  # one per tracked position
         self._pooled = self.prior_alpha
         self._last: tuple[int, list[float]] | None = None  # (max_k, answer) of the last call
 
-    @property
-    def rounds_since_speculation(self) -> int:
-        return self._rounds_since_speculation
-
-    def observe_target_only(self) -> None:
-        self._rounds_since_speculation += 1
-
     def update(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """Record a verified block; update(0, 0) is a no-op (use observe_target_only)."""
+        """Record a verified block; update(0, 0) is a no-op."""
         drafted = _check("num_draft_tokens", num_draft_tokens, 0, integer=True)
         accepted = _check("num_accepted", num_accepted, 0, drafted, integer=True)
         if drafted == 0:
@@ -381,7 +373,6 @@ class AcceptanceEstimator:
         self._accepted = [
             c * self.decay + (j < accepted) for j, c in enumerate(self._accepted + grow)
         ]
-        self._rounds_since_speculation = 0
         self._alphas = self._last = None
 
     def acceptance(self, max_k: int) -> list[float]:

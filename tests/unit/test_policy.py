@@ -260,7 +260,6 @@ def test_estimator_acceptance_is_a_fresh_list_that_follows_updates():
     estimator.update(4, 2)
     assert estimator.acceptance(5) == pytest.approx([2.2 / 3, 2.2 / 3, 0.4, 0.6, 0.6])
     assert estimator.acceptance(2) == pytest.approx([2.2 / 3, 2.2 / 3])
-    estimator.observe_target_only()  # no data: same estimates
     assert estimator.acceptance(5) == pytest.approx([2.2 / 3, 2.2 / 3, 0.4, 0.6, 0.6])
     estimator.update(4, 4)
     assert estimator.acceptance(5)[0] > 2.2 / 3
@@ -276,16 +275,6 @@ def test_estimator_decay_makes_recent_data_dominate():
         for _ in range(20):
             estimator.update(4, 0)
     assert decayed.acceptance(1)[0] < 0.2 < 0.5 < remembering.acceptance(1)[0]
-
-
-def test_estimator_counts_rounds_since_speculation():
-    estimator = AcceptanceEstimator()
-    for _ in range(3):
-        estimator.observe_target_only()
-    estimator.update(0, 0)  # nothing drafted: no reset
-    assert estimator.rounds_since_speculation == 3
-    estimator.update(2, 1)
-    assert estimator.rounds_since_speculation == 0
 
 
 def test_should_probe():

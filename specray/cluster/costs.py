@@ -1,0 +1,67 @@
+"""The coordinator's measured costs: verification, draft step and network round trip.
+
+Calibrated tables (``DistributedBackend.calibrate``) keep their shape while their level tracks
+the times observed in service; line models are refitted to the observed samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from specray.cluster.policy import DraftCost, VerifyCost, fit_draft_cost, fit_verify_cost
+
+COST_SAMPLES = 256  # recent timing samples kept for the fits
+REFIT_EVERY = 8  # refit every this many samples (a fit costs ~ms of CPU)
+
+
+def _level(level: float, observed_s: float, calibrated_s: float) -> float:
+    """Running ratio of observed to calibrated time. Calibration measures one worker alone;
+    in service the workers share hosts, networks and caches with the rest, so the level moves
+    (measured here: both workers slow down ~1.5-2x when draft and target compute at once)."""
+    if calibrated_s <= 0:
+        return level
+    ratio = min(max(observed_s / calibrated_s, 0.25), 4.0)
+    return 0.8 * level + 0.2 * ratio
+
+
+def _scaled(cost, level: float):
+    """The calibrated table with every time multiplied by ``level``."""
+    return replace(cost, table=tuple((tokens, seconds * level) for tokens, seconds in cost.table))
+
+
+@dataclass
+class Costs:
+    """Measured costs, refitted as samples arrive."""
+
+    verify: VerifyCost
+    draft: DraftCost
+    rtt_s: float
+    verify_samples: list = field(default_factory=list)  # (batch, tokens per request, seconds)
+    draft_samples: list = field(default_factory=list)  # (batch, seconds per step)
+    num_verify: int = 0  # samples ever added
+    num_draft: int = 0
+    verify_level: float = 1.0  # observed / calibrated time (running), for calibrated tables
+    draft_level: float = 1.0
+
+    def add_verify(self, batch: int, tokens: int, seconds: float, prior: VerifyCost) -> None:
+        self.verify_samples = [*self.verify_samples[-COST_SAMPLES + 1 :], (batch, tokens, seconds)]
+        self.num_verify += 1
+        if prior.table:  # a calibrated shape, its level tracked from the rounds (see _level)
+            self.verify_level = _level(self.verify_level, seconds, prior.seconds(batch, tokens))
+            if self.num_verify % REFIT_EVERY == 0:
+                self.verify = _scaled(prior, self.verify_level)
+        elif self.num_verify <= REFIT_EVERY or self.num_verify % REFIT_EVERY == 0:
+            self.verify = fit_verify_cost(self.verify_samples, prior)
+
+    def add_draft(self, batch: int, seconds_per_step: float, prior: DraftCost) -> None:
+        self.draft_samples = [*self.draft_samples[-COST_SAMPLES + 1 :], (batch, seconds_per_step)]
+        self.num_draft += 1
+        if prior.table:
+            self.draft_level = _level(self.draft_level, seconds_per_step, prior.seconds(batch))
+            if self.num_draft % REFIT_EVERY == 0:
+                self.draft = _scaled(prior, self.draft_level)
+        elif self.num_draft <= REFIT_EVERY or self.num_draft % REFIT_EVERY == 0:
+            self.draft = fit_draft_cost(self.draft_samples, prior)
+
+    def add_rtt(self, seconds: float) -> None:
+        self.rtt_s = 0.9 * self.rtt_s + 0.1 * max(seconds, 0.0)

@@ -1,0 +1,53 @@
+"""What a caller of the coordinator receives: committed tokens as they are committed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from specray.errors import SpecrayError
+from specray.outputs import RequestOutput
+
+
+@dataclass
+class StreamDelta:
+    token_ids: list[int]  # newly committed tokens (may be empty on the final delta)
+    output: RequestOutput | None = None  # set on the final delta
+
+
+class RequestStream:
+    """Committed tokens of one request as they are committed; ``result()`` waits for the end."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._output: RequestOutput | None = None
+        self._error: SpecrayError | None = None
+        self._done = asyncio.Event()
+
+    def _push(self, token_ids: list[int]) -> None:
+        self._queue.put_nowait(StreamDelta(list(token_ids)))
+
+    def _finish(self, output: RequestOutput | None, error: SpecrayError | None) -> None:
+        self._output, self._error = output, error
+        self._queue.put_nowait(StreamDelta([], output) if error is None else error)
+        self._done.set()
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        return self._iterate()
+
+    async def _iterate(self):
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, SpecrayError):
+                raise item
+            yield item
+            if item.output is not None:
+                return
+
+    async def result(self) -> RequestOutput:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._output
