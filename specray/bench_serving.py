@@ -23,7 +23,7 @@ from specray.cluster.coordinator import DEFAULT_DRAFT_PRIOR, Coordinator, Coordi
 from specray.cluster.local import CoordinatorThread
 from specray.cluster.placement import PlacementConfig
 from specray.engine import chat_token_ids
-from specray.outputs import SpecDecodeMetrics
+from specray.outputs import ServedSummary, percentile
 from specray.sampling import SamplingParams
 
 MODES = ("target-only", "unpipelined", "pipelined")
@@ -64,13 +64,6 @@ def parse_concurrency(value: str) -> tuple[int, ...]:
 
 def _log(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
-
-
-def _percentile(values: list[float], fraction: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(int(fraction * len(ordered)), len(ordered) - 1)]
 
 
 def _mode_config(
@@ -134,16 +127,10 @@ def _run_mode(backend, info, mode, config, concurrency, prompts, params, calibra
         stats, costs = coordinator.stats, coordinator.costs
     finally:
         runner.stop()
-    metrics = SpecDecodeMetrics()
-    for output in outputs:
-        metrics.merge(output.metrics)
-    tokens = sum(len(output.token_ids) for output in outputs)
-    gaps = [gap for output in outputs for gap in output.chunk_gaps_s]
-    tpot = [
-        (o.latency_s - o.time_to_first_token_s) / (len(o.token_ids) - 1)
-        for o in outputs
-        if len(o.token_ids) > 1
-    ]
+    summary = ServedSummary.of(outputs)
+    metrics, tokens, gaps, tpot = (
+        summary.metrics, summary.tokens, summary.chunk_gaps_s, summary.tpot_s
+    )  # fmt: skip
     mean_k = metrics.num_draft_tokens / max(metrics.num_drafts, 1)
     return {
         "concurrency": concurrency,
@@ -152,10 +139,10 @@ def _run_mode(backend, info, mode, config, concurrency, prompts, params, calibra
         "requests": len(outputs),
         "tokens": tokens,
         "wall_s": wall_s,
-        "itl_p50_s": _percentile(gaps, 0.5),
-        "itl_p95_s": _percentile(gaps, 0.95),
+        "itl_p50_s": percentile(gaps, 0.5),
+        "itl_p95_s": percentile(gaps, 0.95),
         "tpot_mean_s": statistics.fmean(tpot) if tpot else 0.0,
-        "ttft_p50_s": _percentile([o.time_to_first_token_s for o in outputs], 0.5),
+        "ttft_p50_s": percentile([o.time_to_first_token_s for o in outputs], 0.5),
         "target_busy_fraction": min(stats.target_compute_s / wall_s, 1.0),
         "bubble_s": stats.target_wait_s,
         "acceptance_rate": metrics.acceptance_rate,

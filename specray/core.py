@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specray.models.runner import ModelRunner
-from specray.outputs import SpecDecodeMetrics
+from specray.outputs import RequestOutput, SpecDecodeMetrics
 from specray.sampling import (
     KeyedRandom,
     LogitsPipeline,
@@ -86,6 +86,22 @@ class RequestState:
             "seed": self.random.seed,
             "output_token_ids": self.output_token_ids,
         }
+
+    def to_output(self, tokenizer=None, **timing) -> RequestOutput:
+        """The caller's view of this request; ``timing``: the served latency fields."""
+        text = ""
+        if tokenizer is not None:
+            text = tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.output_token_ids),
+            text=text,
+            finish_reason=self.finish_reason or "length",
+            seed=self.random.seed,
+            metrics=self.metrics,
+            **timing,
+        )
 
     @property
     def pending_token(self) -> int:

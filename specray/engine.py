@@ -294,7 +294,7 @@ class Engine:
                     active = [request for request in active if not request.finish_reason]
         finally:
             self._release([request.request_id for request in active])
-        return [self._output(request) for request in requests]
+        return [request.to_output(self.tokenizer) for request in requests]
 
     def _release(self, request_ids: list[Hashable]) -> None:
         self.core.release(request_ids)
@@ -342,18 +342,4 @@ class Engine:
             request.pipeline,
             request.random,
             k,
-        )
-
-    def _output(self, request: RequestState) -> RequestOutput:
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            text=text,
-            finish_reason=request.finish_reason or "length",
-            seed=request.random.seed,
-            metrics=request.metrics,
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 
@@ -81,4 +83,41 @@ class RequestOutput:
             {"time_to_first_token_s": self.time_to_first_token_s, "latency_s": self.latency_s}
             if self.latency_s is not None
             else {}
+        )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between order statistics (numpy's default); nan when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass
+class ServedSummary:
+    """Totals over finished served outputs (benchmarks and simulations report these)."""
+
+    metrics: SpecDecodeMetrics  # merged over the outputs
+    tokens: int
+    chunk_gaps_s: list[float]  # every gap between streamed chunks
+    tpot_s: list[float]  # per request: (latency - time to first token) / (tokens - 1)
+
+    @staticmethod
+    def of(outputs: Sequence[RequestOutput]) -> ServedSummary:
+        metrics = SpecDecodeMetrics()
+        for output in outputs:
+            metrics.merge(output.metrics)
+        return ServedSummary(
+            metrics=metrics,
+            tokens=sum(len(output.token_ids) for output in outputs),
+            chunk_gaps_s=[gap for output in outputs for gap in output.chunk_gaps_s],
+            tpot_s=[
+                (o.latency_s - o.time_to_first_token_s) / (len(o.token_ids) - 1)
+                for o in outputs
+                if len(o.token_ids) > 1
+            ],
         )

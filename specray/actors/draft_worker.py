@@ -7,6 +7,7 @@ The worker keeps one long-lived bidirectional stream and reopens it if it breaks
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -108,11 +109,7 @@ class DraftWorker:
         were its own next draft) until the verdict arrives, another call is waiting, or k + 1
         tokens are ahead. The next call keeps the drafts whose assumed history was committed.
         """
-        with self._queue_lock:
-            self._calls_waiting += 1
-        with self._lock:
-            with self._queue_lock:
-                self._calls_waiting -= 1
+        with self._turn():
             started = time.perf_counter()
             if self._outbox is None:
                 self._open_stream()
@@ -151,17 +148,23 @@ class DraftWorker:
         """Take on new requests: their state and the draft's KV cache of their committed tokens
         (items as for :meth:`propose`, ``k`` unused). The coordinator runs them target-only
         meanwhile, so a slow draft prefill never holds the target up."""
-        with self._queue_lock:
-            self._calls_waiting += 1
-        with self._lock:
-            with self._queue_lock:
-                self._calls_waiting -= 1
+        with self._turn():
             started = time.perf_counter()
             states = [self._sync_state(item) for item in round_spec]
             prefill = getattr(self.drafter, "prefill", None)
             if prefill is not None:
                 prefill([self._draft_request(state, 1) for state in states], self._prefill_source)
             return {"num_requests": len(states), "draft_s": time.perf_counter() - started}
+
+    @contextlib.contextmanager
+    def _turn(self):
+        """Hold the drafter; while waiting for it, a draft-ahead in progress yields."""
+        with self._queue_lock:
+            self._calls_waiting += 1
+        with self._lock:
+            with self._queue_lock:
+                self._calls_waiting -= 1
+            yield
 
     def _sync_state(self, item: dict) -> RequestState:
         state = self.requests.get(item["request_id"])

@@ -698,9 +698,10 @@ class Coordinator:
             self.metrics.labels(self.metrics.time_to_first_token).observe(now - request.arrival_s)
         elif new:
             request.chunk_gaps_s.append(now - request.last_emit_s)
+            gap = (now - request.last_emit_s) / len(new)  # the chunk's pace, per token
+            inter_token = self.metrics.labels(self.metrics.inter_token_latency)
             for _ in new:
-                gap = (now - request.last_emit_s) / len(new)
-                self.metrics.labels(self.metrics.inter_token_latency).observe(gap)
+                inter_token.observe(gap)
         request.last_emit_s = now
         request.stream._push(new)
 
@@ -720,19 +721,9 @@ class Coordinator:
         self._update_gauges()
 
     def _output(self, request: _Request) -> RequestOutput:
-        state = request.state
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(state.output_token_ids, skip_special_tokens=True)
         now = self._loop.time()
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt_token_ids=state.prompt_token_ids,
-            token_ids=list(state.output_token_ids),
-            text=text,
-            finish_reason=state.finish_reason or "length",
-            seed=state.random.seed,
-            metrics=state.metrics,
+        return request.state.to_output(
+            self.tokenizer,
             time_to_first_token_s=(request.first_token_s or now) - request.arrival_s,
             latency_s=now - request.arrival_s,
             chunk_gaps_s=list(request.chunk_gaps_s),

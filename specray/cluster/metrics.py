@@ -32,6 +32,7 @@ class CoordinatorMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         self._labels = {"model_name": model_name}
+        self._children: dict[tuple, object] = {}
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
@@ -91,7 +92,12 @@ class CoordinatorMetrics:
         self.draft_worker_restarts = counter("draft_worker_restarts", "Draft workers replaced.")
 
     def labels(self, metric, **extra):
-        return metric.labels(**self._labels, **extra)
+        """The metric's child for this model (and ``extra`` labels), looked up once."""
+        key = (id(metric), *extra.items())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**self._labels, **extra)
+        return child
 
     def record_round(self, num_draft_tokens: int, num_accepted: int) -> None:
         if num_draft_tokens == 0:

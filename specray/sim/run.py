@@ -16,7 +16,7 @@ from typing import Any
 
 from specray.cluster.coordinator import Coordinator
 from specray.errors import OverloadedError
-from specray.outputs import RequestOutput, SpecDecodeMetrics
+from specray.outputs import RequestOutput, ServedSummary, percentile
 from specray.sampling import SamplingParams
 from specray.sim.clock import run_virtual
 from specray.sim.model import SWEEP_FIELDS, SimConfig, coordinator_config
@@ -116,28 +116,11 @@ async def _run_point(config: SimConfig, *, speculative: bool) -> dict[str, Any]:
     return _summarise(outputs, wall_s, stats, rejected, held + len(inbox))
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between order statistics (numpy's default); nan when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def _summarise(outputs, wall_s, stats, rejected: int, leaked: int) -> dict[str, Any]:
-    merged = SpecDecodeMetrics()
-    for output in outputs:
-        merged.merge(output.metrics)
-    tokens = sum(len(output.token_ids) for output in outputs)
-    gaps = [gap for output in outputs for gap in output.chunk_gaps_s]
-    tpots = [
-        (output.latency_s - output.time_to_first_token_s) / (len(output.token_ids) - 1)
-        for output in outputs
-        if len(output.token_ids) > 1
-    ]
+    summary = ServedSummary.of(outputs)
+    merged, tokens, gaps, tpots = (
+        summary.metrics, summary.tokens, summary.chunk_gaps_s, summary.tpot_s
+    )  # fmt: skip
     per_second = 1.0 / wall_s if wall_s > 0 else math.nan
     return {
         "num_requests": len(outputs),
@@ -145,11 +128,11 @@ def _summarise(outputs, wall_s, stats, rejected: int, leaked: int) -> dict[str, 
         "wall_s": wall_s,
         "tokens_per_s": tokens * per_second,
         "requests_per_s": len(outputs) * per_second,
-        "ttft_p50_s": _percentile([o.time_to_first_token_s for o in outputs], 0.5),
-        "itl_p50_s": _percentile(gaps, 0.5),
-        "itl_p95_s": _percentile(gaps, 0.95),
+        "ttft_p50_s": percentile([o.time_to_first_token_s for o in outputs], 0.5),
+        "itl_p50_s": percentile(gaps, 0.5),
+        "itl_p95_s": percentile(gaps, 0.95),
         "tpot_mean_s": sum(tpots) / len(tpots) if tpots else math.nan,
-        "latency_p50_s": _percentile([o.latency_s for o in outputs], 0.5),
+        "latency_p50_s": percentile([o.latency_s for o in outputs], 0.5),
         "target_busy_fraction": stats.target_compute_s * per_second,
         "target_wait_fraction": stats.target_wait_s * per_second,
         "rounds": stats.rounds,
