@@ -61,3 +61,33 @@ class RequestCancelledError(SpecrayError):
     grpc_code = "CANCELLED"
     http_status = 499
     error_type = "cancelled_error"
+
+
+_BY_TYPE = {
+    cls.error_type: cls
+    for cls in (
+        SpecrayError,
+        InvalidRequestError,
+        OverloadedError,
+        UnavailableError,
+        DeadlineExceededError,
+        RequestCancelledError,
+    )
+}
+
+
+def error_to_dict(error: SpecrayError) -> dict:
+    """Plain values (crosses Ray and the wire): type, message, param, grpc code, HTTP status."""
+    return {
+        "type": error.error_type,
+        "message": error.message,
+        "param": error.param,
+        "code": error.grpc_code,
+        "http_status": error.http_status,
+    }
+
+
+def error_from_dict(values: dict) -> SpecrayError:
+    """The exception :func:`error_to_dict` described (unknown types become internal errors)."""
+    cls = _BY_TYPE.get(values.get("type"), SpecrayError)
+    return cls(str(values.get("message", "internal error")), param=values.get("param"))

@@ -1,0 +1,201 @@
+"""The contract between the public front ends (OpenAI HTTP, gRPC) and whatever generates.
+
+Front ends turn their wire format into a :class:`GenerateRequest` and consume the events of
+:meth:`GenerationBackend.generate`; backends are the in-process coordinator service
+(:mod:`specray.serve.service`) or the Ray Serve ``Coordinator`` deployment seen through its
+handle. Events are plain dicts (they cross Ray and are msgpack-friendly):
+
+- ``{"kind": "delta", "text": str, "token_ids": [int]}``: newly committed tokens and the text
+  they complete (text may lag a token while a multi-byte character is incomplete);
+- ``{"kind": "final", "request_id", "text", "token_ids", "finish_reason", "prompt_tokens",
+  "completion_tokens", "seed", "speculative_decoding": {...}, "time_to_first_token_s",
+  "latency_s"}``: exactly one, last; ``text`` / ``token_ids`` are the whole output;
+- an error is raised as a :class:`specray.errors.SpecrayError`, before or between deltas.
+
+No torch here: the client library and the front ends import this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from specray.errors import InvalidRequestError
+
+MAX_STOP_STRINGS = 16  # as OpenAI's API caps ``stop`` (4) and vLLM does not: a sane bound
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation, as every front end hands it to a backend.
+
+    Exactly one of ``prompt`` (text), ``prompt_token_ids`` or ``messages`` (chat turns,
+    rendered with the model's chat template) is set. ``params`` holds
+    :class:`specray.sampling.SamplingParams` fields, validated where the tokenizer is.
+    """
+
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[Mapping[str, str], ...] | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    stop: tuple[str, ...] = ()  # stop strings: the output ends before the first one
+    num_speculative_tokens: int | None = None  # this request's largest k; 0 = speculation off
+    request_id: str | None = None
+    timeout_s: float | None = None  # the deadline, from now
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name in ("prompt", "prompt_token_ids", "messages")
+            if getattr(self, name) is not None
+        ]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"exactly one of prompt, prompt_token_ids or messages must be given, got {given}",
+                param="prompt",
+            )
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise InvalidRequestError(
+                f"prompt must be a string, got {self.prompt!r}", param="prompt"
+            )
+        if self.prompt_token_ids is not None:
+            ids = self.prompt_token_ids
+            if isinstance(ids, (str, bytes)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers, got {ids!r}", param="prompt"
+                )
+            object.__setattr__(self, "prompt_token_ids", tuple(ids))
+        if self.messages is not None:
+            object.__setattr__(self, "messages", tuple(check_messages(self.messages)))
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise InvalidRequestError(
+                f"stop must be a non-empty string or a list of them, got {self.stop!r}",
+                param="stop",
+            )
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS}", param="stop"
+            )
+        object.__setattr__(self, "stop", tuple(stop))
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise InvalidRequestError(
+                f"num_speculative_tokens must be an integer >= 0, got {k!r}",
+                param="num_speculative_tokens",
+            )
+        if self.request_id is not None and (
+            not isinstance(self.request_id, str) or not self.request_id
+        ):
+            raise InvalidRequestError(
+                f"request_id must be a non-empty string, got {self.request_id!r}",
+                param="request_id",
+            )
+        timeout = self.timeout_s
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+        ):
+            raise InvalidRequestError(f"timeout must be > 0 seconds, got {timeout!r}", "timeout")
+        if not isinstance(self.params, Mapping):
+            raise InvalidRequestError(f"params must be a mapping, got {self.params!r}")
+
+    def to_dict(self) -> dict:
+        """Plain values only (crosses Ray without pickling specray classes)."""
+        return {
+            "prompt": self.prompt,
+            "prompt_token_ids": list(self.prompt_token_ids)
+            if self.prompt_token_ids is not None
+            else None,
+            "messages": [dict(m) for m in self.messages] if self.messages is not None else None,
+            "params": dict(self.params),
+            "stop": list(self.stop),
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "request_id": self.request_id,
+            "timeout_s": self.timeout_s,
+        }
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> GenerateRequest:
+        values = dict(values)
+        for name in ("prompt_token_ids", "messages", "stop"):
+            if values.get(name) is not None:
+                values[name] = tuple(values[name])
+        return cls(**values)
+
+
+def check_messages(messages) -> list[dict[str, str]]:
+    """Chat turns: a non-empty list of ``{"role", "content"}`` with a known role; content is a
+    string or a list of ``{"type": "text", "text": ...}`` parts (joined)."""
+    if isinstance(messages, (str, bytes, Mapping)) or not hasattr(messages, "__iter__"):
+        raise InvalidRequestError(
+            f"messages must be a list of {{role, content}} objects, got {messages!r}",
+            param="messages",
+        )
+    checked = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidRequestError(
+                f"messages[{index}] must be an object, got {message!r}", param="messages"
+            )
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"messages[{index}].role must be one of {list(CHAT_ROLES)}, got {role!r}",
+                param="messages",
+            )
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not (
+                    isinstance(part, Mapping)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    raise InvalidRequestError(
+                        f"messages[{index}].content parts must be {{type: text, text}}, "
+                        f"got {part!r}",
+                        param="messages",
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise InvalidRequestError(
+                f"messages[{index}].content must be a string, got {content!r}",
+                param="messages",
+            )
+        checked.append({"role": role, "content": content})
+    if not checked:
+        raise InvalidRequestError("messages must not be empty", param="messages")
+    return checked
+
+
+class GenerationBackend(Protocol):
+    """What the front ends call. Errors are :class:`specray.errors.SpecrayError`."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        """Events of one request (see the module docstring). Closing the iterator early
+        (the caller went away) aborts the request and frees its worker state."""
+        ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Cancel a request by id; False when no such request is in flight here."""
+        ...
+
+    async def model_info(self) -> dict:
+        """``model`` (served name), ``max_model_len``, ``vocab_size``, ``draft``,
+        ``num_speculative_tokens``, ``eos_token_ids``."""
+        ...
+
+    async def health(self) -> bool:
+        """True while serving; False when draining or a required part is down."""
+        ...
+
+    async def metrics_text(self) -> bytes:
+        """Prometheus exposition text of the serving metrics."""
+        ...
