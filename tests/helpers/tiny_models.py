@@ -64,7 +64,8 @@ def tiny_llama(
         torch.random.set_rng_state(generator_state)  # leave the global RNG as we found it
     model.generation_config.eos_token_id = eos_token_id
     with torch.no_grad():
-        probe = torch.arange(vocab_size).remainder(vocab_size)[None]  # [1, vocab]
+        # [1, min(vocab, positions)]: every token once while the vocabulary fits the positions
+        probe = torch.arange(min(vocab_size, MAX_POSITIONS))[None]
         raw_std = model(probe).logits.std()
         model.lm_head.weight.mul_(logit_std / raw_std)
     return model.eval()
@@ -115,3 +116,30 @@ def exact_sequence_probs(
             prob *= float(conditionals[sequence[:position]][token_id])
         out[sequence] = prob
     return out
+
+
+def save_tiny_chat_pair(folder, *, seed: int = 0, max_positions: int = 256) -> tuple[str, str]:
+    """A tiny random target over the bundled model's tokenizer (49,152 tokens, chat template)
+    and a perturbed draft, saved with that tokenizer: text and chat prompts work end to end in
+    milliseconds per token. Returns ``(target_dir, draft_dir)``."""
+    from pathlib import Path
+
+    from specray.models.loading import load_tokenizer, resolve_model_dir
+
+    folder = Path(folder)
+    tokenizer = load_tokenizer(resolve_model_dir("default"))
+    target = tiny_llama(
+        len(tokenizer),
+        seed=seed,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    target.config.max_position_embeddings = max_positions
+    draft = perturbed_copy(target, seed=seed + 1, noise=0.05)
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(folder / name)
+        tokenizer.save_pretrained(folder / name)
+    return str(folder / "target"), str(folder / "draft")
