@@ -105,7 +105,7 @@ def _run_mode(backend, info, mode, config, concurrency, prompts, params, calibra
     coordinator_config = _mode_config(mode, config, concurrency, calibration)
     runner = CoordinatorThread(
         lambda: Coordinator(
-            RayTargetBackend(backend),
+            RayTargetBackend(backend.leader),
             RayDraftBackend(backend) if mode != "target-only" else None,
             coordinator_config,
             vocab_size=info.vocab_size,

@@ -1,4 +1,4 @@
-"""``specray`` command line: generate, bench, simulate."""
+"""``specray`` command line: serve, generate, bench, simulate."""
 
 from __future__ import annotations
 
@@ -50,6 +50,13 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--no-chat-template", action="store_true")
     generate.add_argument("--json", action="store_true", help="print one JSON object")
+    generate.add_argument(
+        "--server",
+        metavar="HOST:PORT",
+        help="send the request to a running server's gRPC API (the client library) instead "
+        "of loading the models here",
+    )
+    generate.add_argument("--token", default=None, help="bearer token for --server")
 
     bench = commands.add_parser("bench", help="side-by-side speed and acceptance benchmark")
     bench.add_argument("--target", default="default")
@@ -81,26 +88,64 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per configuration")
 
+    from specray.serve.cli import add_serve_parser
     from specray.sim.cli import add_simulate_parser
 
+    add_serve_parser(commands)
     add_simulate_parser(commands)
     return parser
 
 
+def _sampling_fields(args: argparse.Namespace) -> dict:
+    return {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "seed": args.seed,
+        "max_tokens": args.max_tokens,
+    }
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    """Through the client library: streams the text as it is committed."""
+    from specray.client import Client
+
+    fields = _sampling_fields(args)
+    if fields["seed"] is None:
+        del fields["seed"]
+    prompt = {"prompt": args.prompt} if args.no_chat_template else {
+        "messages": [{"role": "user", "content": args.prompt}]
+    }  # fmt: skip
+    with Client(args.server, token=args.token) as client:
+        completion = None
+        for chunk in client.stream(**prompt, num_speculative_tokens=args.k, **fields):
+            if not args.json:
+                print(chunk.text, end="", flush=True)
+            completion = chunk.completion or completion
+    if args.json:
+        print(json.dumps(completion.to_dict()))
+    else:
+        spec = completion.speculative_decoding
+        print()
+        print(
+            f"[{completion.completion_tokens} tokens, acceptance "
+            f"{spec.get('acceptance_rate', 0.0):.2f}, finish {completion.finish_reason}, "
+            f"seed {completion.seed}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
+    if args.server:
+        return _generate_remote(args)
     from specray import Engine, SamplingParams
 
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-    )
+    params = SamplingParams(**_sampling_fields(args))
     print(f"specray: loading target={args.target} draft={args.draft}", file=sys.stderr)
     engine = Engine(
         args.target,
@@ -199,7 +244,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    handlers = {"generate": _generate, "bench": _bench, "simulate": _simulate}
+    from specray.serve.cli import run_serve
+
+    handlers = {
+        "generate": _generate,
+        "bench": _bench,
+        "simulate": _simulate,
+        "serve": run_serve,
+    }
     try:
         return handlers[args.command](args)
     except ValueError as error:  # invalid input: one clear line, no traceback

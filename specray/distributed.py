@@ -40,6 +40,93 @@ def connect(cluster: str, placement: PlacementConfig) -> None:
         ray.init(address=cluster, log_to_driver=False)
 
 
+class TargetGroup:
+    """One target group: a TP rank per bundle of a STRICT_PACK placement group (rank 0 serves
+    the drafts' gRPC streams), started and stopped as one unit.
+
+    ``group`` / ``first_bundle``: place the ranks in an existing placement group (a Serve
+    replica's own, whose bundle 0 holds the replica), else one is created and owned here.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        tp_size: int,
+        placement: PlacementConfig,
+        *,
+        group=None,
+        first_bundle: int = 0,
+    ):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from specray.actors.target_worker import TargetWorker
+
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
+        self._owns_group = group is None
+        if group is None:
+            group = placement_group(placement.target_bundles(tp_size), "STRICT_PACK")
+            ray.get(group.ready(), timeout=120)
+        self.group = group
+        init_method = f"file:///tmp/specray-tp-{uuid.uuid4().hex}"
+        worker = ray.remote(concurrency_groups=TargetWorker.CONCURRENCY_GROUPS)(TargetWorker)
+        self.ranks = [
+            worker.options(
+                num_cpus=placement.target_num_cpus,
+                resources={placement.target_resource: 1.0},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, first_bundle + rank),
+            ).remote(target, rank, tp_size, init_method, placement.num_threads)
+            for rank in range(tp_size)
+        ]
+        self.info = ray.get([rank.info.remote() for rank in self.ranks])
+        self._followers = [rank.follow.remote() for rank in self.ranks[1:]]
+        self.leader = self.ranks[0]
+        self.address = self.info[0]["address"]
+
+    def alive(self, timeout_s: float = 10.0) -> bool:
+        """Rank 0 answers and no follower loop has ended (a dead rank ends the group)."""
+        import ray
+
+        done, _ = ray.wait(self._followers, timeout=0) if self._followers else ([], [])
+        if done:
+            return False
+        try:
+            ray.get(self.leader.ping.remote(), timeout=timeout_s)
+        except (ray.exceptions.RayError, TimeoutError):
+            return False
+        return True
+
+    def stop(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            ray.get(self.leader.stop.remote(), timeout=30)
+            ray.get(self._followers, timeout=30)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass
+        for actor in self.ranks:
+            ray.kill(actor)
+        if self._owns_group:
+            remove_placement_group(self.group)
+
+
+def start_draft_actor(target: str, draft: str, encoding: str, placement: PlacementConfig):
+    """A DraftWorker actor on a draft node (not yet connected to a target group)."""
+    import ray
+
+    from specray.actors.draft_worker import DraftWorker
+
+    options = placement.draft_options() | {"max_concurrency": DRAFT_WORKER_CONCURRENCY}
+    return (
+        ray.remote(DraftWorker)
+        .options(**options)
+        .remote(target, draft, encoding, placement.num_threads)
+    )
+
+
 class DistributedBackend:
     """Starts and owns the actors: ``target_ranks`` (rank 0 = ``leader``) and ``drafts``."""
 
@@ -54,14 +141,7 @@ class DistributedBackend:
         placement: PlacementConfig | None = None,
     ):
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from specray.actors.draft_worker import DraftWorker
-        from specray.actors.target_worker import TargetWorker
-
-        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
         if isinstance(num_draft_workers, bool) or not isinstance(num_draft_workers, int):
             raise ValueError(f"num_draft_workers must be an integer, got {num_draft_workers!r}")
         if num_draft_workers < 1:
@@ -69,23 +149,11 @@ class DistributedBackend:
         self.placement = placement or PlacementConfig()
         self._target_spec, self._draft_spec = target, draft
         self._encoding = draft_probs_encoding
-        self._group = placement_group(self.placement.target_bundles(tp_size), "STRICT_PACK")
-        ray.get(self._group.ready(), timeout=120)
-        init_method = f"file:///tmp/specray-tp-{uuid.uuid4().hex}"
-        worker = ray.remote(concurrency_groups=TargetWorker.CONCURRENCY_GROUPS)(TargetWorker)
-        self.target_ranks = [
-            worker.options(
-                num_cpus=self.placement.target_num_cpus,
-                resources={self.placement.target_resource: 1.0},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, rank),
-            ).remote(target, rank, tp_size, init_method, self.placement.num_threads)
-            for rank in range(tp_size)
-        ]
-        self.target_info = ray.get([rank.info.remote() for rank in self.target_ranks])
-        self._followers = [rank.follow.remote() for rank in self.target_ranks[1:]]
-        self.leader = self.target_ranks[0]
-        self.address = self.target_info[0]["address"]
-        self._draft_class = ray.remote(DraftWorker)
+        self.target_group = TargetGroup(target, tp_size, self.placement)
+        self.target_ranks = self.target_group.ranks
+        self.target_info = self.target_group.info
+        self.leader = self.target_group.leader
+        self.address = self.target_group.address
         self.drafts: list = []
         self._ready: list = []  # per worker: a pending start, or None once ready
         self.draft_restarts = 0
@@ -98,9 +166,8 @@ class DistributedBackend:
             self._ready = [None] * num_draft_workers
 
     def _start_draft(self, index: int) -> None:
-        options = self.placement.draft_options() | {"max_concurrency": DRAFT_WORKER_CONCURRENCY}
-        actor = self._draft_class.options(**options).remote(
-            self._target_spec, self._draft_spec, self._encoding, self.placement.num_threads
+        actor = start_draft_actor(
+            self._target_spec, self._draft_spec, self._encoding, self.placement
         )
         self.drafts[index] = actor
         self._ready[index] = actor.connect.remote(self.address)
@@ -149,16 +216,10 @@ class DistributedBackend:
 
     def shutdown(self) -> None:
         import ray
-        from ray.util.placement_group import remove_placement_group
 
-        try:
-            ray.get(self.leader.stop.remote(), timeout=30)
-            ray.get(self._followers, timeout=30)
-        except ray.exceptions.RayError:
-            pass
-        for actor in [*self.target_ranks, *self.drafts]:
+        self.target_group.stop()
+        for actor in self.drafts:
             ray.kill(actor)
-        remove_placement_group(self._group)
 
     def placement_report(self) -> dict:
         import ray
@@ -172,20 +233,20 @@ class DistributedBackend:
 class RayTargetBackend:
     """The coordinator's view of a target group: rank 0's calls, awaited on the event loop."""
 
-    def __init__(self, backend: DistributedBackend):
-        self.backend = backend
+    def __init__(self, leader):
+        self.leader = leader  # rank 0's actor handle
 
     async def verify(self, items: list[dict], draft_deadline_s: float) -> dict:
-        return await self.backend.leader.verify_round.remote(items, draft_deadline_s)
+        return await self.leader.verify_round.remote(items, draft_deadline_s)
 
     async def release(self, request_ids: list[str]) -> None:
-        await self.backend.leader.release.remote(request_ids)
+        await self.leader.release.remote(request_ids)
 
     async def ping(self) -> None:
-        await self.backend.leader.ping.remote()
+        await self.leader.ping.remote()
 
     async def held_requests(self) -> list[str]:
-        return await self.backend.leader.held_requests.remote()
+        return await self.leader.held_requests.remote()
 
 
 class RayDraftBackend:

@@ -187,7 +187,7 @@ class Engine:
 
         def make_coordinator() -> Coordinator:
             return Coordinator(
-                RayTargetBackend(backend),
+                RayTargetBackend(backend.leader),
                 RayDraftBackend(backend) if backend.drafts else None,
                 config,
                 vocab_size=info.vocab_size,

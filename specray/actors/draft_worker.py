@@ -72,6 +72,7 @@ class DraftWorker:
         self._outbox: queue.Queue | None = None
         self.verdicts_received = 0
         self.bytes_sent = 0
+        self.busy_s = 0.0  # time spent drafting (its utilisation drives draft autoscaling)
 
     # ---- stream to the target ----------------------------------------------------------
     def connect(self, target_address: str) -> None:
@@ -164,7 +165,11 @@ class DraftWorker:
         with self._lock:
             with self._queue_lock:
                 self._calls_waiting -= 1
-            yield
+            started = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.busy_s += time.perf_counter() - started
 
     def _sync_state(self, item: dict) -> RequestState:
         state = self.requests.get(item["request_id"])
@@ -279,7 +284,12 @@ class DraftWorker:
         return ray.get_runtime_context().get_node_id()
 
     def stats(self) -> dict:
-        return {"verdicts_received": self.verdicts_received, "bytes_sent": self.bytes_sent}
+        return {
+            "verdicts_received": self.verdicts_received,
+            "bytes_sent": self.bytes_sent,
+            "busy_s": self.busy_s,
+            "num_requests": len(self.requests),
+        }
 
 
 def _vocab_size(model_dir) -> int:

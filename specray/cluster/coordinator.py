@@ -23,6 +23,7 @@ The same code runs on real workers (:mod:`specray.cluster.ray_backends`) and on 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -114,6 +115,7 @@ class _Request:
     arrival_s: float
     deadline_s: float | None  # on the loop's clock
     estimator: AcceptanceEstimator
+    max_k: int  # this request's largest k (0: it never speculates)
     draft_worker: int | None = None
     target_knows: bool = False
     draft_known: int | None = None  # committed tokens the draft worker has seen (None: unseen)
@@ -180,7 +182,8 @@ class Coordinator:
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Future] = set()  # replacements under way
         # Incremented when a worker is replaced: failures of calls to an older one are ignored.
-        self._draft_generation = [0] * (drafts.num_workers if drafts else 0)
+        # Keyed by worker index: a pool may grow while serving (autoscaling).
+        self._draft_generation: collections.defaultdict[int, int] = collections.defaultdict(int)
         self._rounds_off = [0] * config.num_micro_batches  # rounds in a row without drafts
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -225,12 +228,25 @@ class Coordinator:
         *,
         request_id: str | None = None,
         timeout_s: float | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> RequestStream:
-        """Admit a request or fail at once: invalid input, queue full, or draining."""
+        """Admit a request or fail at once: invalid input, queue full, or draining.
+
+        ``num_speculative_tokens`` caps this request's k below the group's (0: speculation off
+        for it; None: the group's largest k)."""
         params = params or SamplingParams()
         if self._draining:
             raise UnavailableError("the coordinator is draining; retry on another replica")
         self._check_request(prompt_token_ids, params, request_id, timeout_s)
+        max_k = self.config.num_speculative_tokens
+        if num_speculative_tokens is not None:
+            k = num_speculative_tokens
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise InvalidRequestError(
+                    f"num_speculative_tokens must be an integer >= 0, got {k!r}",
+                    param="num_speculative_tokens",
+                )
+            max_k = min(k, max_k)
         if len(self._waiting) >= self.config.max_queue:
             self.metrics.labels(self.metrics.request_rejected).inc()
             raise OverloadedError(
@@ -253,6 +269,7 @@ class Coordinator:
             arrival_s=now,
             deadline_s=now + timeout_s if timeout_s is not None else None,
             estimator=self._new_estimator(),
+            max_k=max_k,
         )
         self._requests[request_id] = request
         self._waiting.append(request)
@@ -304,6 +321,17 @@ class Coordinator:
             )
         if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise InvalidRequestError(f"timeout_s must be > 0, got {timeout_s!r}", param="timeout")
+
+    @property
+    def healthy(self) -> bool:
+        """Taking requests, and every round loop alive."""
+        return not self._draining and all(not task.done() for task in self._tasks)
+
+    def output_so_far(self, request_id: str) -> RequestOutput | None:
+        """What a request in flight has committed (None once it ended): a front end that
+        ends a request early (a stop string) reports this."""
+        request = self._requests.get(request_id)
+        return self._output(request) if request is not None else None
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its worker state is freed at its next round boundary."""
@@ -382,13 +410,20 @@ class Coordinator:
             if len(batch) >= share:
                 return
             request = self._waiting.pop(0)
-            if self.drafts is not None:
-                load = [0] * self.drafts.num_workers
-                for other in self._requests.values():
-                    if other.draft_worker is not None:
-                        load[other.draft_worker] += 1
-                request.draft_worker = load.index(min(load))
+            self._assign_draft_worker(request)
             batch.append(request)
+
+    def _assign_draft_worker(self, request: _Request) -> None:
+        """The least-loaded available draft worker (None while there is none)."""
+        request.draft_worker = None
+        if self.drafts is None or request.max_k == 0:
+            return
+        load = {w: 0 for w in range(self.drafts.num_workers) if self.drafts.available(w)}
+        for other in self._requests.values():
+            if other.draft_worker in load:
+                load[other.draft_worker] += 1
+        if load:
+            request.draft_worker = min(load, key=load.__getitem__)
 
     def _expire_waiting(self) -> None:
         now = self._loop.time()
@@ -440,7 +475,7 @@ class Coordinator:
 
     def _cap(self, request: _Request) -> int:
         """The largest k this request can take this round (0: it cannot speculate)."""
-        cap = min(self.config.num_speculative_tokens, request.state.remaining - 1)
+        cap = min(request.max_k, request.state.remaining - 1)
         if cap <= 0 or self.drafts is None or not request.draft_ready:
             return 0
         return cap if self.drafts.available(request.draft_worker) else 0
@@ -579,7 +614,13 @@ class Coordinator:
             return
         fresh: dict[int, list[_Request]] = {}
         for request in requests:
+            if request.draft_known is None and request.max_k > 0:
+                worker = request.draft_worker
+                if worker is None or not self.drafts.available(worker):
+                    self._assign_draft_worker(request)  # its worker left the pool, or none was
             worker = request.draft_worker
+            if worker is None:
+                continue
             if request.draft_known is None and self.drafts.available(worker):
                 fresh.setdefault(worker, []).append(request)
         for worker, new in fresh.items():

@@ -179,7 +179,7 @@ def _coordinator(backend, **overrides) -> CoordinatorThread:
     config = CoordinatorConfig(**({"num_speculative_tokens": 2} | overrides))
     return CoordinatorThread(
         lambda: Coordinator(
-            RayTargetBackend(backend), RayDraftBackend(backend), config, vocab_size=5
+            RayTargetBackend(backend.leader), RayDraftBackend(backend), config, vocab_size=5
         )
     )
 

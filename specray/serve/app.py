@@ -1,0 +1,83 @@
+"""``build_app``: the specray application for Ray Serve, from validated arguments.
+
+    serve run specray.serve:build_app target=default draft=self:bf16
+    serve deploy serve_config.yaml            # import_path: specray.serve:build_app
+
+Deployment names are stable (``Ingress``, ``Coordinator``, ``TargetWorker``, ``DraftWorker``):
+dashboards, autoscaling policies and ``serve status`` refer to them.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve import Application
+
+from specray.serve import deployments as d
+from specray.serve.config import REPLICA_CPUS_DEFAULT, AppArgs
+
+INGRESS_MAX_ONGOING = 4096  # the ingress only forwards; admission control is the coordinator's
+
+
+def build_app(args: AppArgs | dict) -> Application:
+    """The application graph. ``args``: :class:`specray.serve.config.AppArgs` or a mapping
+    of its fields (unknown keys are errors)."""
+    if not isinstance(args, AppArgs):
+        args = AppArgs(**dict(args))
+    plain = args.model_dump()
+    cpus = {"num_cpus": REPLICA_CPUS_DEFAULT}
+    placement = args.placement()
+    target = serve.deployment(
+        d.TargetWorkerDeployment,
+        name="TargetWorker",
+        num_replicas=args.num_target_groups,
+        ray_actor_options=cpus,
+        # Bundle 0 holds the replica; one bundle per TP rank, all on one target node.
+        placement_group_bundles=[
+            {"CPU": REPLICA_CPUS_DEFAULT},
+            *placement.target_bundles(args.tp_size),
+        ],
+        placement_group_strategy="STRICT_PACK",
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+    ).bind(plain)
+    workers = [target]
+    if args.draft is not None:
+        workers.append(
+            serve.deployment(
+                d.DraftWorkerDeployment,
+                name="DraftWorker",
+                ray_actor_options={**cpus, "resources": {args.draft_resource: 0.001}},
+                health_check_period_s=10,
+                health_check_timeout_s=60,
+                **_draft_scaling(args),
+            ).bind(plain)
+        )
+    coordinator = serve.deployment(
+        d.CoordinatorDeployment,
+        name="Coordinator",
+        num_replicas=args.num_target_groups,
+        ray_actor_options=cpus,
+        # Above the coordinator's own limits: its admission control answers overload at once
+        # (a 503 naming the queue) instead of Serve queueing silently in front of it.
+        max_ongoing_requests=args.max_running + args.max_queue + 16,
+        health_check_period_s=5,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=60,
+    ).bind(plain, *workers)  # bound so they deploy with it; they meet via the registry
+    ingress = serve.deployment(
+        serve.ingress()(d.IngressDeployment),
+        name="Ingress",
+        num_replicas=args.num_ingress_replicas,
+        ray_actor_options=cpus,
+        max_ongoing_requests=INGRESS_MAX_ONGOING,
+        graceful_shutdown_timeout_s=60,
+    )
+    return ingress.bind(plain, coordinator)
+
+
+def _draft_scaling(args: AppArgs) -> dict:
+    if args.max_draft_workers is None or args.autoscaling == "off":
+        return {"num_replicas": args.num_draft_workers}
+    from specray.cluster.autoscaling import draft_autoscaling_config
+
+    return {"autoscaling_config": draft_autoscaling_config(args)}

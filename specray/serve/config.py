@@ -1,0 +1,103 @@
+"""The application's arguments: one typed, validated model for ``serve run``, a
+``serve_config.yaml`` and ``specray serve`` alike. Unknown keys are errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specray.cluster.coordinator import CoordinatorConfig
+from specray.cluster.placement import PlacementConfig
+
+DEFAULT_GRPC_PORT = 50051
+REPLICA_CPUS_DEFAULT = 0.05  # Serve replica processes mostly wait on their actors
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the bundled default target
+
+
+class AppArgs(BaseModel):
+    """Arguments of :func:`specray.serve.build_app` (``serve run specray.serve:build_app
+    target=default draft=self:bf16 grpc_port=50051``: values given as text are converted)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: str = "default"  # "default" (bundled), a model directory or a .gguf file
+    draft: str | None = "default"  # "none" = target-only; "ngram", "self:bf16", a directory
+    model_name: str | None = None  # the name clients use; default: the target's
+    tp_size: int = Field(1, ge=1)  # TP ranks per target group (one placement group each)
+    num_target_groups: int = Field(1, ge=1)  # TargetWorker replicas = Coordinator replicas
+    num_draft_workers: int = Field(1, ge=1)  # the draft pool's size, and its autoscaling floor
+    max_draft_workers: int | None = Field(None, ge=1)  # autoscaling ceiling (None: fixed pool)
+    draft_probs_encoding: str = "fp32"
+    num_speculative_tokens: int = Field(4, ge=0, le=32)
+    max_running: int = Field(64, ge=1)
+    max_queue: int = Field(256, ge=0)
+    num_micro_batches: int = Field(2, ge=1, le=16)
+    draft_deadline_s: float = Field(5.0, gt=0)
+    # Placement by node type (Ray custom resources) and CPU shares.
+    draft_resource: str = "draft"
+    target_resource: str = "target"
+    draft_num_cpus: float = Field(0.5, gt=0)
+    target_num_cpus: float = Field(0.5, gt=0)
+    num_threads: int = Field(1, ge=1)
+    # Front ends.
+    grpc_port: int | None = Field(DEFAULT_GRPC_PORT, ge=0, le=65535)  # None: no gRPC API
+    auth_token: str | None = None  # bearer token both APIs require (health checks excepted)
+    tls_cert: str | None = None  # PEM files: server certificate and key (TLS on gRPC)
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
+    num_ingress_replicas: int = Field(1, ge=1)
+    autoscaling: Literal["custom", "default", "off"] = "custom"  # policy for the draft pool
+    startup_timeout_s: float = Field(600.0, gt=0)  # a coordinator waits this long for targets
+
+    @field_validator("draft", mode="before")
+    @classmethod
+    def _none_draft(cls, value):
+        return None if isinstance(value, str) and value.lower() in ("none", "") else value
+
+    @field_validator("tls_cert", "tls_key", "tls_client_ca")
+    @classmethod
+    def _pem_exists(cls, value):
+        if value is not None and not Path(value).is_file():
+            raise ValueError(f"no such file: {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        if self.max_draft_workers is not None and self.max_draft_workers < self.num_draft_workers:
+            raise ValueError(
+                f"max_draft_workers ({self.max_draft_workers}) must be >= num_draft_workers "
+                f"({self.num_draft_workers})"
+            )
+        self.coordinator_config()  # the coordinator's own checks
+        self.placement()
+        return self
+
+    @property
+    def served_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        return DEFAULT_MODEL_NAME if self.target == "default" else Path(self.target).name
+
+    def coordinator_config(self) -> CoordinatorConfig:
+        return CoordinatorConfig(
+            max_running=self.max_running,
+            max_queue=self.max_queue,
+            num_micro_batches=self.num_micro_batches,
+            num_speculative_tokens=self.num_speculative_tokens if self.draft else 0,
+            draft_deadline_s=self.draft_deadline_s,
+        )
+
+    def placement(self) -> PlacementConfig:
+        return PlacementConfig(
+            draft_resource=self.draft_resource,
+            target_resource=self.target_resource,
+            draft_num_cpus=self.draft_num_cpus,
+            target_num_cpus=self.target_num_cpus,
+            num_threads=self.num_threads,
+        )

@@ -1,0 +1,387 @@
+"""The Ray Serve deployments: ``Ingress``, ``Coordinator``, ``TargetWorker``, ``DraftWorker``.
+
+- ``TargetWorker`` (one replica per target group): its placement group holds the replica
+  (bundle 0) and one bundle per TP rank on one target node (STRICT_PACK); it starts the ranks
+  there and registers rank 0 in the application's registry.
+- ``DraftWorker`` (the autoscaled pool): each replica runs one draft-worker actor on a draft
+  node, connected to the target group the registry assigns, and reports its utilisation.
+- ``Coordinator`` (one replica per target group): claims a group, reads its draft pool from
+  the registry, and runs :class:`specray.cluster.Coordinator` on the replica's event loop
+  behind :class:`specray.serve.service.CoordinatorService`.
+- ``Ingress``: the OpenAI-compatible HTTP API (Serve's HTTP proxy) and the public gRPC API
+  (its own server on ``grpc_port``, with health, reflection, TLS and token auth).
+
+Every deployment has ``check_health``; shutdown drains (Serve stops routing, waits for the
+ongoing requests, then ``__del__`` stops the coordinator with ``drain=True``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from ray import serve
+
+from specray.errors import SpecrayError, error_from_dict, error_to_dict
+from specray.serve.config import AppArgs
+from specray.serve.protocol import GenerateRequest
+from specray.serve.registry import get_registry
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 2.0  # replicas renew their registration this often
+POOL_REFRESH_S = 1.0  # a coordinator re-reads its draft pool this often
+
+
+def _replica_id() -> str:
+    return serve.get_replica_context().replica_id.unique_id
+
+
+def _app_name() -> str:
+    return serve.get_replica_context().app_name
+
+
+async def _in_thread(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+# ---- target groups ---------------------------------------------------------------------
+class TargetWorkerDeployment:
+    async def __init__(self, args: dict):
+        import ray
+
+        from specray.distributed import TargetGroup
+
+        self.args = AppArgs(**args)
+        self.group_id = _replica_id()
+        self.registry = get_registry(_app_name())
+        pg = ray.util.get_current_placement_group()
+        self.group = await _in_thread(
+            lambda: TargetGroup(
+                self.args.target, self.args.tp_size, self.args.placement(), group=pg, first_bundle=1
+            )
+        )
+        await self._register()
+        self._heartbeat = asyncio.create_task(self._renew())
+
+    async def _register(self) -> None:
+        await self.registry.add_target.remote(
+            self.group_id, self.group.leader, self.group.address, self.group.info[0]
+        )
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            with contextlib.suppress(Exception):
+                await self._register()
+
+    async def check_health(self) -> None:
+        if not await _in_thread(self.group.alive):
+            raise RuntimeError(f"target group {self.group_id} lost a rank")
+
+    async def status(self) -> dict:
+        return {"group_id": self.group_id, "address": self.group.address}
+
+    async def __del__(self):
+        self._heartbeat.cancel()
+        with contextlib.suppress(Exception):
+            await self.registry.remove_target.remote(self.group_id)
+        await _in_thread(self.group.stop)
+
+
+# ---- the draft pool --------------------------------------------------------------------
+class DraftWorkerDeployment:
+    async def __init__(self, args: dict):
+        from specray.distributed import start_draft_actor
+
+        self.args = AppArgs(**args)
+        self.worker_id = _replica_id()
+        self.registry = get_registry(_app_name())
+        self.actor = start_draft_actor(
+            self.args.target, self.args.draft, self.args.draft_probs_encoding, self.args.placement()
+        )
+        await self.actor.stats.remote()  # the model is loaded
+        self.address: str | None = None
+        self._busy = (time.monotonic(), 0.0)  # (when, busy seconds) at the last stats report
+        self.utilization = 0.0
+        deadline = time.monotonic() + self.args.startup_timeout_s
+        while not await self._register():  # no target group yet: wait for one
+            if time.monotonic() > deadline:
+                raise RuntimeError("no target group registered before startup_timeout_s")
+            await asyncio.sleep(0.5)
+        self._heartbeat = asyncio.create_task(self._renew())
+
+    async def _register(self) -> bool:
+        """Join (or stay in) a group's pool; reconnect when the group changed."""
+        assignment = await self.registry.add_draft.remote(self.worker_id, None)
+        if assignment is None:
+            return False
+        if assignment["address"] != self.address:
+            await self.actor.connect.remote(assignment["address"])
+            self.address = assignment["address"]
+        await self.registry.add_draft.remote(self.worker_id, self.actor)
+        return True
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                await self._register()
+                stats = await self.actor.stats.remote()
+            except Exception as error:
+                log.warning("draft worker heartbeat failed: %s", error)
+                continue
+            now = time.monotonic()
+            then, busy_then = self._busy
+            if now > then:
+                self.utilization = min(max((stats["busy_s"] - busy_then) / (now - then), 0), 1)
+            self._busy = (now, stats["busy_s"])
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        from specray.cluster.autoscaling import draft_stats
+
+        return draft_stats(self.utilization)
+
+    async def check_health(self) -> None:
+        await asyncio.wait_for(self.actor.stats.remote(), timeout=20)
+
+    async def status(self) -> dict:
+        return {"worker_id": self.worker_id, "address": self.address, "util": self.utilization}
+
+    async def __del__(self):
+        import ray
+
+        self._heartbeat.cancel()
+        with contextlib.suppress(Exception):
+            await self.registry.remove_draft.remote(self.worker_id)
+        ray.kill(self.actor)
+
+
+class PoolDraftBackend:
+    """A :class:`specray.cluster.backends.DraftBackend` over a pool that changes while serving:
+    workers keep their index; one that left the pool is unavailable (its requests move)."""
+
+    def __init__(self):
+        self._index: dict[str, int] = {}
+        self._handles: list = []
+        self._live: set[int] = set()
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._handles)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def update(self, workers: dict) -> None:
+        live = set()
+        for worker_id, handle in workers.items():
+            if worker_id not in self._index:
+                self._index[worker_id] = len(self._handles)
+                self._handles.append(handle)
+            live.add(self._index[worker_id])
+        self._live = live
+
+    def available(self, worker: int) -> bool:
+        return worker in self._live
+
+    async def prefill(self, worker: int, items: list[dict]) -> dict:
+        return await self._handles[worker].prefill.remote(items)
+
+    async def propose(self, worker: int, items: list[dict], draft_ahead: bool) -> dict:
+        return await self._handles[worker].propose.remote(items, draft_ahead)
+
+    async def release(self, worker: int, request_ids: list[str]) -> None:
+        await self._handles[worker].release.remote(request_ids)
+
+    async def replace(self, worker: int) -> None:
+        # Serve restarts a dead replica (a new worker id joins); a live one is re-listed by
+        # the next refresh and takes its requests anew.
+        self._live.discard(worker)
+
+    async def held_requests(self, worker: int) -> list[str]:
+        return await self._handles[worker].held_requests.remote()
+
+
+# ---- the coordinator -------------------------------------------------------------------
+class CoordinatorDeployment:
+    async def __init__(self, args: dict, *workers):
+        # ``workers``: handles of TargetWorker / DraftWorker, bound so that Serve deploys them
+        # with this graph; the coordinator reaches their actors through the registry.
+        from specray.cluster.coordinator import Coordinator
+        from specray.distributed import RayTargetBackend
+        from specray.models.loading import load_model_info
+        from specray.serve.service import CoordinatorService
+
+        self.args = AppArgs(**args)
+        self.coordinator_id = _replica_id()
+        self.registry = get_registry(_app_name())
+        info = await _in_thread(load_model_info, self.args.target)
+        deadline = time.monotonic() + self.args.startup_timeout_s
+        while (group := await self.registry.claim_target.remote(self.coordinator_id)) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("no target group registered before startup_timeout_s")
+            await asyncio.sleep(0.5)
+        self.group_id = group["group_id"]
+        self.drafts = PoolDraftBackend() if self.args.draft else None
+        if self.drafts is not None:
+            self.drafts.update(await self.registry.drafts_of.remote(self.group_id))
+        self.coordinator = Coordinator(
+            RayTargetBackend(group["leader"]),
+            self.drafts,
+            self.args.coordinator_config(),
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
+            max_positions=info.max_positions,
+            tokenizer=info.tokenizer,
+            model_name=self.args.served_name,
+            request_id_prefix=f"{self.coordinator_id}-",
+        )
+        await self.coordinator.start()
+        self.service = CoordinatorService(
+            self.coordinator,
+            tokenizer=info.tokenizer,
+            model_name=self.args.served_name,
+            draft_name=self.args.draft,
+            max_model_len=info.max_positions,
+        )
+        self._heartbeat = asyncio.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        """Keep the group's claim and follow its draft pool as the autoscaler changes it."""
+        last_claim = 0.0
+        while True:
+            await asyncio.sleep(POOL_REFRESH_S)
+            try:
+                if self.drafts is not None:
+                    self.drafts.update(await self.registry.drafts_of.remote(self.group_id))
+                if time.monotonic() - last_claim > HEARTBEAT_S:
+                    await self.registry.claim_target.remote(self.coordinator_id)
+                    last_claim = time.monotonic()
+            except Exception as error:
+                log.warning("registry refresh failed: %s", error)
+
+    async def generate(self, request: dict):
+        """Events of one request; errors travel as ``{"kind": "error"}`` events (plain values
+        rather than exceptions across Ray)."""
+        try:
+            async for event in self.service.generate(GenerateRequest.from_dict(request)):
+                yield event
+        except SpecrayError as error:
+            yield {"kind": "error", "error": error_to_dict(error)}
+        except (TypeError, ValueError) as error:  # a malformed request record
+            yield {
+                "kind": "error",
+                "error": {"type": "invalid_request_error", "message": str(error)},
+            }
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.service.abort(request_id)
+
+    async def model_info(self) -> dict:
+        return await self.service.model_info()
+
+    async def metrics_text(self) -> bytes:
+        return await self.service.metrics_text()
+
+    async def healthy(self) -> bool:
+        return await self.service.health()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        from specray.cluster.autoscaling import coordinator_stats
+
+        return coordinator_stats(self.coordinator)
+
+    async def check_health(self) -> None:
+        if not self.coordinator.healthy:
+            raise RuntimeError("the coordinator's round loops stopped")
+        await asyncio.wait_for(self.coordinator.target.ping(), timeout=20)
+
+    async def __del__(self):
+        self._heartbeat.cancel()
+        await self.coordinator.stop(drain=True)
+        with contextlib.suppress(Exception):
+            await self.registry.release_claim.remote(self.coordinator_id)
+
+
+# ---- the front door --------------------------------------------------------------------
+class ServeBackend:
+    """A :class:`specray.serve.protocol.GenerationBackend` over the Coordinator deployment."""
+
+    def __init__(self, coordinator):
+        self.handle = coordinator
+        self._info: dict | None = None
+        self._live: dict[str, object] = {}  # request id -> its response stream (for Abort)
+
+    async def generate(self, request: GenerateRequest):
+        stream = self.handle.options(stream=True).generate.remote(request.to_dict())
+        if request.request_id is not None:
+            self._live[request.request_id] = stream
+        finished = False
+        try:
+            async for event in stream:
+                if event["kind"] == "error":
+                    finished = True
+                    raise error_from_dict(event["error"])
+                if event["kind"] == "final":
+                    finished = True
+                yield event
+        finally:
+            if request.request_id is not None:
+                self._live.pop(request.request_id, None)
+            if not finished:
+                stream.cancel()  # the coordinator's generator ends and aborts the request
+
+    async def abort(self, request_id: str) -> bool:
+        stream = self._live.get(request_id)
+        if stream is not None:
+            stream.cancel()
+            return True
+        return await self.handle.abort.remote(request_id)
+
+    async def model_info(self) -> dict:
+        if self._info is None:
+            self._info = await self.handle.model_info.remote()
+        return self._info
+
+    async def health(self) -> bool:
+        try:
+            return await asyncio.wait_for(self.handle.healthy.remote(), timeout=5)
+        except Exception:
+            return False
+
+    async def metrics_text(self) -> bytes:
+        return await self.handle.metrics_text.remote()
+
+
+class IngressDeployment:
+    async def __init__(self, args: dict, coordinator):
+        from specray.serve.grpc_api import TLSConfig, start_grpc_server
+
+        self.args = AppArgs(**args)
+        self.backend = ServeBackend(coordinator)
+        self.grpc_server = None
+        if self.args.grpc_port is not None:
+            tls = None
+            if self.args.tls_cert:
+                tls = TLSConfig(self.args.tls_cert, self.args.tls_key, self.args.tls_client_ca)
+            self.grpc_server, self.grpc_port = await start_grpc_server(
+                self.backend, port=self.args.grpc_port, tls=tls, auth_token=self.args.auth_token
+            )
+
+    def __serve_build_asgi_app__(self):
+        from specray.serve.openai_api import build_http_app
+
+        return build_http_app(self.backend, auth_token=self.args.auth_token)
+
+    async def check_health(self) -> None:
+        # Only this replica's own parts: a coordinator that is down is reported by /health
+        # and the gRPC health service, and restarting the front door would not fix it.
+        if self.args.grpc_port is not None and self.grpc_server is None:
+            raise RuntimeError("the gRPC server is not running")
+
+    async def __del__(self):
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=5)
