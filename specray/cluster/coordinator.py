@@ -117,6 +117,7 @@ class _Request:
     estimator: AcceptanceEstimator
     max_k: int  # this request's largest k (0: it never speculates)
     draft_worker: int | None = None
+    last_k: int = 0  # the k of its latest round
     target_knows: bool = False
     draft_known: int | None = None  # committed tokens the draft worker has seen (None: unseen)
     draft_ready: bool = False  # the draft worker holds its state (prefill done)
@@ -304,7 +305,7 @@ class Coordinator:
         try:
             params.check_vocab(self.vocab_size)
         except ValueError as error:
-            raise InvalidRequestError(str(error)) from None
+            raise InvalidRequestError(str(error), param=getattr(error, "param", None)) from None
         if self.max_positions and len(prompt_token_ids) + params.max_tokens > self.max_positions:
             raise InvalidRequestError(
                 f"max_tokens={params.max_tokens} plus the {len(prompt_token_ids)}-token prompt "
@@ -326,6 +327,18 @@ class Coordinator:
     def healthy(self) -> bool:
         """Taking requests, and every round loop alive."""
         return not self._draining and all(not task.done() for task in self._tasks)
+
+    def load_signals(self) -> dict[str, float]:
+        """What autoscaling reads: queue depth, running requests, the group's acceptance and
+        the share of running requests that speculated in their latest round."""
+        running = [r for batch in self._batches for r in batch]
+        speculating = sum(r.last_k > 0 for r in running)
+        return {
+            "queue_depth": float(len(self._waiting)),
+            "running": float(len(running)),
+            "acceptance_rate": float(self._group_acceptance.acceptance(1)[0]),
+            "speculating_fraction": speculating / len(running) if running else 0.0,
+        }
 
     def output_so_far(self, request_id: str) -> RequestOutput | None:
         """What a request in flight has committed (None once it ended): a front end that
@@ -569,6 +582,7 @@ class Coordinator:
         target_items, draft_items = [], {}
         for request, k in zip(requests, ks, strict=True):
             request.step += 1
+            request.last_k = k
             state = request.state
             item = {
                 "request_id": state.request_id,

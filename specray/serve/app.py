@@ -29,7 +29,7 @@ def build_app(args: AppArgs | dict) -> Application:
     target = serve.deployment(
         d.TargetWorkerDeployment,
         name="TargetWorker",
-        num_replicas=args.num_target_groups,
+        **_scaling("TargetWorker", args, args.num_target_groups),
         ray_actor_options=cpus,
         # Bundle 0 holds the replica; one bundle per TP rank, all on one target node.
         placement_group_bundles=[
@@ -49,13 +49,13 @@ def build_app(args: AppArgs | dict) -> Application:
                 ray_actor_options={**cpus, "resources": {args.draft_resource: 0.001}},
                 health_check_period_s=10,
                 health_check_timeout_s=60,
-                **_draft_scaling(args),
+                **_scaling("DraftWorker", args, args.num_draft_workers * args.num_target_groups),
             ).bind(plain)
         )
     coordinator = serve.deployment(
         d.CoordinatorDeployment,
         name="Coordinator",
-        num_replicas=args.num_target_groups,
+        **_scaling("Coordinator", args, args.num_target_groups),
         ray_actor_options=cpus,
         # Above the coordinator's own limits: its admission control answers overload at once
         # (a 503 naming the queue) instead of Serve queueing silently in front of it.
@@ -75,9 +75,17 @@ def build_app(args: AppArgs | dict) -> Application:
     return ingress.bind(plain, coordinator)
 
 
-def _draft_scaling(args: AppArgs) -> dict:
-    if args.max_draft_workers is None or args.autoscaling == "off":
-        return {"num_replicas": args.num_draft_workers}
-    from specray.cluster.autoscaling import draft_autoscaling_config
+def _scaling(name: str, args: AppArgs, fixed: int) -> dict:
+    """Serve options for a deployment's size: fixed, or its autoscaling config."""
+    if not args.autoscaled:
+        return {"num_replicas": fixed}
+    from specray.cluster.autoscaling import autoscaling_config
 
-    return {"autoscaling_config": draft_autoscaling_config(args)}
+    return {
+        "autoscaling_config": autoscaling_config(
+            name,
+            args.autoscaling_settings(),
+            scope=args.autoscaling,
+            initial_target_groups=args.num_target_groups,
+        )
+    }

@@ -27,8 +27,8 @@ class AppArgs(BaseModel):
     model_name: str | None = None  # the name clients use; default: the target's
     tp_size: int = Field(1, ge=1)  # TP ranks per target group (one placement group each)
     num_target_groups: int = Field(1, ge=1)  # TargetWorker replicas = Coordinator replicas
-    num_draft_workers: int = Field(1, ge=1)  # the draft pool's size, and its autoscaling floor
-    max_draft_workers: int | None = Field(None, ge=1)  # autoscaling ceiling (None: fixed pool)
+    num_draft_workers: int = Field(1, ge=1)  # per target group: the pool, or its floor
+    max_draft_workers: int | None = Field(None, ge=1)  # per group: autoscaling ceiling (or fixed)
     draft_probs_encoding: str = "fp32"
     num_speculative_tokens: int = Field(4, ge=0, le=32)
     max_running: int = Field(64, ge=1)
@@ -48,7 +48,10 @@ class AppArgs(BaseModel):
     tls_key: str | None = None
     tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
     num_ingress_replicas: int = Field(1, ge=1)
-    autoscaling: Literal["custom", "default", "off"] = "custom"  # policy for the draft pool
+    # How the draft pool scales between num_ and max_draft_workers (specray.cluster.autoscaling):
+    # "application": the app-level policy (needs a deploy config: `specray serve`, serve deploy);
+    # "deployment": the draft pool's own policy (serve run); "plain": Serve's request-based rule.
+    autoscaling: Literal["application", "deployment", "plain"] = "deployment"
     startup_timeout_s: float = Field(600.0, gt=0)  # a coordinator waits this long for targets
 
     @field_validator("draft", mode="before")
@@ -83,6 +86,21 @@ class AppArgs(BaseModel):
         if self.model_name:
             return self.model_name
         return DEFAULT_MODEL_NAME if self.target == "default" else Path(self.target).name
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.draft is not None and self.max_draft_workers is not None
+
+    def autoscaling_settings(self):
+        from specray.cluster.autoscaling import AutoscalingSettings
+
+        return AutoscalingSettings(
+            min_drafts_per_group=self.num_draft_workers,
+            max_drafts_per_group=self.max_draft_workers or self.num_draft_workers,
+            scale_target_groups=False,  # a target group is a big model: sized by hand here
+            min_target_groups=self.num_target_groups,
+            max_target_groups=self.num_target_groups,
+        )
 
     def coordinator_config(self) -> CoordinatorConfig:
         return CoordinatorConfig(

@@ -139,9 +139,9 @@ class DraftWorkerDeployment:
             self._busy = (now, stats["busy_s"])
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        from specray.cluster.autoscaling import draft_stats
+        from specray.cluster.autoscaling import draft_worker_stats
 
-        return draft_stats(self.utilization)
+        return draft_worker_stats(draft_utilization=self.utilization)
 
     async def check_health(self) -> None:
         await asyncio.wait_for(self.actor.stats.remote(), timeout=20)
@@ -247,6 +247,7 @@ class CoordinatorDeployment:
             draft_name=self.args.draft,
             max_model_len=info.max_positions,
         )
+        self._busy = (time.monotonic(), 0.0)  # (when, target compute seconds) last reported
         self._heartbeat = asyncio.create_task(self._renew())
 
     async def _renew(self) -> None:
@@ -292,7 +293,12 @@ class CoordinatorDeployment:
     def record_autoscaling_stats(self) -> dict[str, float]:
         from specray.cluster.autoscaling import coordinator_stats
 
-        return coordinator_stats(self.coordinator)
+        # The target's busy fraction since the previous report (not since start).
+        now, busy = time.monotonic(), self.coordinator.stats.target_compute_s
+        then, busy_then = self._busy
+        self._busy = (now, busy)
+        fraction = min(max((busy - busy_then) / (now - then), 0.0), 1.0) if now > then else 0.0
+        return coordinator_stats(**self.coordinator.load_signals(), target_busy_fraction=fraction)
 
     async def check_health(self) -> None:
         if not self.coordinator.healthy:

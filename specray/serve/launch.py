@@ -21,18 +21,19 @@ def deploy_config(
     args: AppArgs, *, app_name: str = APP_NAME, http_host: str = "127.0.0.1", http_port: int = 8000
 ) -> dict:
     """The Serve deploy config (``ServeDeploySchema``) of one specray application."""
-    application = {
-        "name": app_name,
-        "route_prefix": "/",
-        "import_path": IMPORT_PATH,
-        "args": args.model_dump(exclude_defaults=True),
-    }
-    if args.draft is not None and args.max_draft_workers is not None:
-        from specray.cluster.autoscaling import application_policy
+    application = {"name": app_name, "route_prefix": "/", "import_path": IMPORT_PATH}
+    if args.autoscaled:
+        from specray.cluster.autoscaling import (
+            application_autoscaling_policy,
+            supports_custom_policies,
+        )
 
-        policy = application_policy(args)
-        if policy is not None:
+        scope = "application" if supports_custom_policies() else "plain"
+        args = args.model_copy(update={"autoscaling": scope})
+        if scope == "application":
+            policy = application_autoscaling_policy(args.autoscaling_settings())
             application["autoscaling_policy"] = policy
+    application["args"] = args.model_dump(exclude_defaults=True)
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": http_host, "port": http_port},

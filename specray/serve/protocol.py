@@ -101,7 +101,9 @@ class GenerateRequest:
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
         ):
-            raise InvalidRequestError(f"timeout must be > 0 seconds, got {timeout!r}", "timeout")
+            raise InvalidRequestError(
+                f"timeout must be > 0 seconds, got {timeout!r}", param="timeout"
+            )
         if not isinstance(self.params, Mapping):
             raise InvalidRequestError(f"params must be a mapping, got {self.params!r}")
 

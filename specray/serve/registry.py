@@ -104,6 +104,14 @@ class Registry:
             and now - draft["renewed"] <= DRAFT_TTL_S
         }
 
+    def workers(self) -> dict:
+        """Actor handles: ``targets`` (group id -> rank 0), ``drafts`` (worker id -> worker),
+        e.g. to check that finished requests left no state behind."""
+        return {
+            "targets": {g: t["leader"] for g, t in self.targets.items()},
+            "drafts": {w: d["handle"] for w, d in self.drafts.items() if d["handle"] is not None},
+        }
+
     def summary(self) -> dict:
         return {
             "targets": {g: t["claimed_by"] for g, t in self.targets.items()},

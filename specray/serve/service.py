@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from specray.cluster.coordinator import Coordinator, CoordinatorConfig
 from specray.errors import InvalidRequestError, RequestCancelledError, SpecrayError
@@ -86,8 +87,13 @@ class CoordinatorService:
             raise InvalidRequestError(str(error)) from None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict]:
-        params = self._params(request)
         prompt_ids = self._prompt_ids(request)
+        if request.messages is not None and "max_tokens" not in request.params:
+            # Chat without a limit runs to the end of the context (OpenAI's and vLLM's rule).
+            room = (self.max_model_len or 0) - len(prompt_ids)
+            if room > 0:
+                request = replace(request, params={**request.params, "max_tokens": room})
+        params = self._params(request)
         stream = await self.coordinator.submit(
             prompt_ids,
             params,

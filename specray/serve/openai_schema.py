@@ -1,0 +1,471 @@
+"""OpenAI request bodies in, :class:`GenerateRequest` per choice; backend events out, OpenAI
+response objects and stream chunks. Plain dicts, no web framework and no torch.
+
+Decisions a user of vLLM's OpenAI server would otherwise guess at:
+
+- Unknown fields are errors (400 naming the field). OpenAI ignores them, but a silently ignored
+  typo (``max_token``) or an unsupported feature (``tools``) returns a plausible wrong answer.
+- Every choice is its own backend request. Its request id is the response ``id`` when the call
+  has one choice, else ``f"{id}-{index}"`` (abort by id either way). With an explicit ``seed``
+  choice i of each prompt runs with ``seed + i``: n > 1 draws differ and replay exactly.
+- A list of prompts runs concurrently; choice ``index = prompt_index * n + i`` (as vLLM).
+- Speculative-decoding metrics (vLLM's names) sit on every choice (each choice is a request)
+  and, merged over the choices, at the top level of the response, or of the usage chunk when
+  streaming with ``stream_options.include_usage``.
+- ``usage.prompt_tokens`` counts each prompt once however many choices it has (as OpenAI).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specray.errors import InvalidRequestError, SpecrayError
+from specray.serve.protocol import GenerateRequest, check_messages
+
+MAX_CHOICES = 128  # prompts x n in one call (OpenAI caps n at 128)
+MAX_SHOWN_CHARS = 80  # of a rejected value, quoted in an error message
+
+
+class HttpError(SpecrayError):
+    """An error only the HTTP layer raises (auth, media type, body size, routing, model
+    name): its status, ``error.type`` and ``error.code`` are chosen where it is raised."""
+
+    def __init__(
+        self,
+        http_status: int,
+        message: str,
+        *,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message, param=param)
+        self.http_status, self.error_type, self.code = http_status, error_type, code
+
+
+# ---- field checks ------------------------------------------------------------------------
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."
+
+
+def _invalid(param: str | None, message: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(name: str, value: Any) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _invalid(name, f"{name} must be a number, got {_show(value)}")
+    return value
+
+
+def _integer(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise _invalid(name, f"{name} must be an integer, got {_show(value)}")
+    return value
+
+
+def _boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _invalid(name, f"{name} must be true or false, got {_show(value)}")
+    return value
+
+
+def _token_ids(name: str, value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise _invalid(name, f"{name} must be a list of integer token ids, got {_show(value)}")
+    return value
+
+
+def _logit_bias(name: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise _invalid(name, f"{name} must be an object of token id -> bias, got {_show(value)}")
+    return value
+
+
+def _top_k(name: str, value: Any) -> int:
+    # vLLM spells "off" -1; SamplingParams spells it 0.
+    return 0 if _integer(name, value) == -1 else value
+
+
+# OpenAI / vLLM field -> its check; the checked value goes to SamplingParams under that name.
+SAMPLING_FIELDS: dict[str, Callable[[str, Any], Any]] = {
+    "temperature": _number,
+    "top_p": _number,
+    "top_k": _top_k,
+    "min_p": _number,
+    "repetition_penalty": _number,
+    "presence_penalty": _number,
+    "frequency_penalty": _number,
+    "logit_bias": _logit_bias,
+    "seed": _integer,
+    "ignore_eos": _boolean,
+    "stop_token_ids": _token_ids,
+    "allowed_token_ids": _token_ids,
+}
+COMMON_FIELDS = {"model", "n", "stop", "stream", "stream_options", "user", "max_tokens"}
+SPECRAY_FIELDS = {"num_speculative_tokens", "speculation", "timeout"}
+COMPLETION_FIELDS = {"prompt", "echo", "logprobs", "best_of", "suffix"}
+CHAT_FIELDS = {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+
+
+def _check_fields(body: Mapping, endpoint_fields: set[str]) -> None:
+    known = COMMON_FIELDS | SPECRAY_FIELDS | endpoint_fields | set(SAMPLING_FIELDS)
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise _invalid(unknown[0], f"unknown parameter {unknown[0]!r}")
+
+
+def _reject_if(condition: bool, name: str, value: Any, allowed: str) -> None:
+    if condition:
+        raise _invalid(name, f"{name}={_show(value)} is not supported; {allowed}")
+
+
+# ---- one API call ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ApiCall:
+    """A parsed completions or chat call: one :class:`GenerateRequest` per choice."""
+
+    chat: bool
+    id: str
+    created: int  # Unix seconds
+    model: str
+    requests: tuple  # GenerateRequest per choice, in choice-index order
+    n: int  # choices per prompt
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with usage
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+
+def _model(body: Mapping, served_model: str) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _invalid("model", f"model must be the served model's name, got {_show(model)}")
+    if model != served_model:
+        raise HttpError(
+            404,
+            f"the model {model!r} does not exist; this server serves {served_model!r}",
+            param="model",
+            code="model_not_found",
+        )
+    return model
+
+
+def _streaming(body: Mapping) -> tuple[bool, bool]:
+    stream = body.get("stream")
+    stream = False if stream is None else _boolean("stream", stream)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise _invalid("stream_options", "stream_options is only allowed when stream is true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise _invalid(
+            "stream_options",
+            f"stream_options must be {{include_usage: bool}}, got {_show(options)}",
+        )
+    include = options.get("include_usage")
+    return stream, False if include is None else _boolean("stream_options.include_usage", include)
+
+
+def _speculation(body: Mapping) -> int | None:
+    """``num_speculative_tokens`` (k cap), or 0 for ``speculation: "off"``."""
+    k = body.get("num_speculative_tokens")
+    if k is not None and (not _is_int(k) or k < 0):
+        raise _invalid(
+            "num_speculative_tokens", f"num_speculative_tokens must be an integer >= 0, got {k!r}"
+        )
+    mode = body.get("speculation")
+    if mode is None or mode == "auto":
+        return k
+    if mode != "off":
+        raise _invalid("speculation", f"speculation must be 'auto' or 'off', got {_show(mode)}")
+    if k:
+        raise _invalid(
+            "num_speculative_tokens",
+            f"num_speculative_tokens={k} contradicts speculation='off'",
+        )
+    return 0
+
+
+def _sampling(body: Mapping, max_tokens_field: str | None) -> dict:
+    params = {
+        name: check(name, body[name])
+        for name, check in SAMPLING_FIELDS.items()
+        if body.get(name) is not None
+    }
+    if max_tokens_field is not None:
+        params["max_tokens"] = _integer(max_tokens_field, body[max_tokens_field])
+    return params
+
+
+def _choice_count(body: Mapping, num_prompts: int) -> int:
+    n = body.get("n")
+    n = 1 if n is None else _integer("n", n)
+    if n < 1:
+        raise _invalid("n", f"n must be >= 1, got {n}")
+    if n * num_prompts > MAX_CHOICES:
+        raise _invalid(
+            "n", f"{num_prompts} prompt(s) x n={n} choices exceeds the limit of {MAX_CHOICES}"
+        )
+    return n
+
+
+def _stop(value: Any) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise _invalid("stop", f"stop must be a string or a list of strings, got {_show(value)}")
+    return tuple(value)  # emptiness and count: checked by GenerateRequest
+
+
+def _build(
+    body: Mapping, *, chat: bool, model: str, prompts: Sequence[dict], params: dict
+) -> ApiCall:
+    """One GenerateRequest per prompt x choice; ``prompts`` hold GenerateRequest fields."""
+    stream, include_usage = _streaming(body)
+    n = _choice_count(body, len(prompts))
+    k = _speculation(body)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _invalid("user", f"user must be a string, got {_show(user)}")
+    stop = _stop(body.get("stop"))
+    timeout_s = body.get("timeout")
+    if timeout_s is not None and not 0 < _number("timeout", timeout_s) < math.inf:
+        raise _invalid("timeout", f"timeout must be > 0 seconds, got {_show(timeout_s)}")
+    call_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    single = len(prompts) * n == 1
+    requests = []
+    for prompt in prompts:
+        for choice in range(n):
+            index = len(requests)
+            choice_params = dict(params)
+            if "seed" in params:
+                choice_params["seed"] = params["seed"] + choice
+            requests.append(
+                GenerateRequest(
+                    **prompt,
+                    params=choice_params,
+                    stop=stop,
+                    num_speculative_tokens=k,
+                    request_id=call_id if single else f"{call_id}-{index}",
+                    timeout_s=timeout_s,
+                )
+            )
+    return ApiCall(
+        chat=chat,
+        id=call_id,
+        created=int(time.time()),
+        model=model,
+        requests=tuple(requests),
+        n=n,
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def _start(body: Any, served_model: str, endpoint_fields: set[str]) -> tuple[Mapping, str]:
+    """The checks every call begins with: a JSON object, the served model, known fields."""
+    if not isinstance(body, dict):
+        raise _invalid(None, f"the request body must be a JSON object, got {_show(body)}")
+    model = _model(body, served_model)
+    _check_fields(body, endpoint_fields)
+    return body, model
+
+
+# ---- completions -------------------------------------------------------------------------
+def _prompts(value: Any) -> list[dict]:
+    """A string, a list of token ids, or a batch of either -> GenerateRequest prompt fields."""
+
+    def wrong() -> InvalidRequestError:
+        return _invalid(
+            "prompt",
+            "prompt must be a string, a list of token ids, or a list of strings or of token-id "
+            f"lists, got {_show(value)}",
+        )
+
+    if isinstance(value, str):
+        value = [value]
+    elif not isinstance(value, list):
+        raise wrong()
+    elif value and all(_is_int(v) for v in value):
+        value = [value]
+    if not value:
+        raise _invalid("prompt", "prompt must not be empty")
+    prompts = []
+    for index, item in enumerate(value):
+        if isinstance(item, str):
+            prompts.append({"prompt": item})
+        elif isinstance(item, list) and all(_is_int(v) for v in item):
+            prompts.append({"prompt_token_ids": tuple(item)})
+        else:
+            raise wrong()
+        if not item:
+            where = "prompt" if len(value) == 1 else f"prompt[{index}]"
+            raise _invalid("prompt", f"{where} must not be empty")
+    return prompts
+
+
+def parse_completion(body: Any, served_model: str) -> ApiCall:
+    """``POST /v1/completions`` body -> :class:`ApiCall` (raises InvalidRequestError /
+    HttpError naming the parameter)."""
+    body, model = _start(body, served_model, COMPLETION_FIELDS)
+    echo, logprobs = body.get("echo"), body.get("logprobs")
+    _reject_if(echo not in (None, False), "echo", echo, "omit it or send false")
+    _reject_if(logprobs is not None, "logprobs", logprobs, "omit it or send null")
+    _reject_if(body.get("suffix") is not None, "suffix", body.get("suffix"), "omit it")
+    best_of = body.get("best_of")
+    _reject_if(best_of not in (None, 1), "best_of", best_of, "only 1 (or null) is")
+    if "prompt" not in body:
+        raise _invalid("prompt", "prompt is required")
+    prompts = _prompts(body["prompt"])
+    params = _sampling(body, "max_tokens" if body.get("max_tokens") is not None else None)
+    params.setdefault("max_tokens", 16)  # OpenAI's completions default
+    return _build(body, chat=False, model=model, prompts=prompts, params=params)
+
+
+# ---- chat completions --------------------------------------------------------------------
+def parse_chat(body: Any, served_model: str) -> ApiCall:
+    """``POST /v1/chat/completions`` body -> :class:`ApiCall`. Without ``max_tokens`` /
+    ``max_completion_tokens`` the backend's default length applies."""
+    body, model = _start(body, served_model, CHAT_FIELDS)
+    logprobs, top_logprobs = body.get("logprobs"), body.get("top_logprobs")
+    _reject_if(logprobs not in (None, False), "logprobs", logprobs, "omit it or send false")
+    _reject_if(top_logprobs is not None, "top_logprobs", top_logprobs, "omit it")
+    if "messages" not in body:
+        raise _invalid("messages", "messages is required")
+    prompts = [{"messages": tuple(check_messages(body["messages"]))}]
+    # max_completion_tokens supersedes the deprecated max_tokens (OpenAI); either is accepted.
+    length_field = next(
+        (f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None), None
+    )
+    params = _sampling(body, length_field)
+    return _build(body, chat=True, model=model, prompts=prompts, params=params)
+
+
+# ---- responses ---------------------------------------------------------------------------
+def merge_speculative(blocks: Sequence[Mapping]) -> dict:
+    """Several requests' speculative-decoding blocks as one (counts summed, rates recomputed).
+
+    Example: blocks with 2 drafts / 8 draft tokens / 6 accepted, per position [2, 2, 1, 1],
+    and 1 / 4 / 1, [1] merge to 3 / 12 / 7, [3, 2, 1, 1], acceptance_rate 7/12 and
+    mean_acceptance_length 1 + 7/3."""
+    drafts = sum(b["num_drafts"] for b in blocks)
+    draft_tokens = sum(b["num_draft_tokens"] for b in blocks)
+    accepted = sum(b["num_accepted_tokens"] for b in blocks)
+    size = max((len(b["num_accepted_tokens_per_pos"]) for b in blocks), default=0)
+    per_pos = [0] * size
+    for block in blocks:
+        for position, count in enumerate(block["num_accepted_tokens_per_pos"]):
+            per_pos[position] += count
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_pos": per_pos,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
+    }
+
+
+def usage(call: ApiCall, finals: Sequence[Mapping]) -> dict:
+    prompt_tokens = sum(final["prompt_tokens"] for final in finals[:: call.n])
+    completion_tokens = sum(final["completion_tokens"] for final in finals)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _envelope(call: ApiCall, object_name: str) -> dict:
+    return {
+        "id": call.id,
+        "object": object_name,
+        "created": call.created,
+        "model": call.model,
+        "system_fingerprint": None,
+    }
+
+
+def response(call: ApiCall, finals: Sequence[Mapping]) -> dict:
+    """The non-streamed response, from each choice's final event (in index order)."""
+    choices = []
+    for index, final in enumerate(finals):
+        if call.chat:
+            output = {"message": {"role": "assistant", "content": final["text"]}}
+        else:
+            output = {"text": final["text"]}
+        choices.append(
+            {"index": index}
+            | output
+            | {
+                "logprobs": None,
+                "finish_reason": final["finish_reason"],
+                "speculative_decoding": final["speculative_decoding"],
+            }
+        )
+    return _envelope(call, call.object) | {
+        "choices": choices,
+        "usage": usage(call, finals),
+        "speculative_decoding": merge_speculative([f["speculative_decoding"] for f in finals]),
+    }
+
+
+def chunk(call: ApiCall, index: int, text: str | None, *, final: Mapping | None = None) -> dict:
+    """One stream chunk for choice ``index``: ``text`` (chat: None = the role opener), and when
+    ``final`` is given, that choice's finish reason and speculative metrics."""
+    if call.chat:
+        delta = {"role": "assistant", "content": ""} if text is None else {"content": text}
+        if final is not None and not text:
+            delta = {}
+        choice = {"index": index, "delta": delta}
+    else:
+        choice = {"index": index, "text": text or ""}
+    choice |= {
+        "logprobs": None,
+        "finish_reason": final["finish_reason"] if final is not None else None,
+    }
+    if final is not None:
+        choice["speculative_decoding"] = final["speculative_decoding"]
+    out = _envelope(call, f"{call.object}.chunk" if call.chat else call.object)
+    out["choices"] = [choice]
+    if call.include_usage:
+        out["usage"] = None  # as OpenAI: only the last chunk carries usage
+    return out
+
+
+def usage_chunk(call: ApiCall, finals: Sequence[Mapping]) -> dict:
+    """The last chunk with ``include_usage``: no choices; usage and the merged metrics."""
+    out = _envelope(call, f"{call.object}.chunk" if call.chat else call.object)
+    return out | {
+        "choices": [],
+        "usage": usage(call, finals),
+        "speculative_decoding": merge_speculative([f["speculative_decoding"] for f in finals]),
+    }
+
+
+def error_body(error: SpecrayError) -> dict:
+    """OpenAI's error shape."""
+    return {
+        "error": {
+            "message": error.message,
+            "type": error.error_type,
+            "param": error.param,
+            "code": getattr(error, "code", None),
+        }
+    }
