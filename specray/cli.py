@@ -59,7 +59,7 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--token", default=None, help="bearer token for --server")
 
     bench = commands.add_parser("bench", help="side-by-side speed and acceptance benchmark")
-    bench.add_argument("--target", default="default")
+    bench.add_argument("--target", default=None, help="'default' (bundled), a dir or .gguf")
     bench.add_argument("--k", default="ngram=4,default=8", help="N, or drafter=N pairs")
     bench.add_argument("--max-tokens", type=int, default=64)
     bench.add_argument("--num-prompts", type=int, default=24)
@@ -84,6 +84,13 @@ def _build_parser() -> argparse.ArgumentParser:
         type=float,
         default=5.0,
         help="for --concurrency: seconds the target waits for a block before going alone",
+    )
+    bench.add_argument(
+        "--overhead",
+        metavar="1,16",
+        help="serving overhead: Engine.generate in process vs the served app by gRPC and HTTP "
+        "at these concurrencies (target 'tiny' by default: a random model made here, so the "
+        "figures are the machinery's)",
     )
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per configuration")
@@ -212,9 +219,28 @@ def _serving_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _overhead_bench(args: argparse.Namespace) -> int:
+    from specray.bench_overhead import OverheadConfig, format_overhead, run_overhead_bench
+    from specray.bench_serving import parse_concurrency
+
+    config = OverheadConfig(
+        target=args.target or "tiny",
+        draft=_draft_arg(args.draft) if args.draft != "default" else None,
+        max_tokens=args.max_tokens,
+        concurrency=parse_concurrency(args.overhead),
+        requests_per_client=args.requests_per_client,
+    )
+    report = run_overhead_bench(config)
+    print(json.dumps(report, indent=2) if args.json else format_overhead(report))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from specray.bench import BenchConfig, parse_k, print_report, run_bench, run_distributed_bench
 
+    if args.overhead:
+        return _overhead_bench(args)
+    args.target = args.target or "default"
     if args.concurrency:
         return _serving_bench(args)
     config = BenchConfig(

@@ -202,7 +202,7 @@ def test_client_config_is_validated():
     assert "hunter2" not in repr(ClientConfig("localhost:1", token="hunter2"))
 
 
-def test_the_client_imports_and_runs_without_torch():
+def test_the_client_and_the_grpc_front_end_import_without_torch():
     code = """
 import sys
 sys.modules["torch"] = None  # any import of torch now fails
@@ -213,6 +213,7 @@ with Client("127.0.0.1:1", max_retries=0) as client:
         client.health(timeout=2)
     except SpecrayClientError as error:
         assert error.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), error
+import specray.serve.grpc_api  # the gRPC front end needs no torch either (a Serve ingress)
 heavy = [name for name in ("torch", "transformers", "ray") if sys.modules.get(name) is not None]
 assert not heavy, heavy
 import specray

@@ -1,0 +1,204 @@
+"""What the serving layers cost: the same greedy requests through ``Engine.generate`` in this
+process, and through the served application (Ray Serve, the coordinator, Ray actors) by the
+gRPC client library and by the OpenAI-compatible HTTP API, at each concurrency, in one run.
+
+With the default tiny random model the model's own time is negligible, so the differences are
+the machinery: per request (admission, front end, Serve handle) and per token (one round trip
+per round through the coordinator and the target actor). Every request generates exactly
+``max_tokens`` tokens (``ignore_eos``), so per-token figures are comparable.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class OverheadConfig:
+    target: str = "tiny"  # "tiny": a random model made here (measures the machinery)
+    draft: str | None = None  # speculation is not what this measures; off by default
+    max_tokens: int = 32
+    concurrency: tuple[int, ...] = (1, 16)
+    requests_per_client: int = 3
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency must hold positive integers, got {self.concurrency}")
+        if self.requests_per_client < 1:
+            raise ValueError(f"requests_per_client must be >= 1, got {self.requests_per_client}")
+
+
+@dataclass
+class OverheadRow:
+    path: str  # engine | grpc | http
+    concurrency: int
+    requests: int
+    ms_per_request: float  # mean latency of one request
+    ms_per_token: float  # that latency over its tokens
+    tokens_per_s: float  # throughput over the whole closed-loop run
+    overhead_ms_per_request: float = 0.0  # vs the engine at the same concurrency
+    overhead_ms_per_token: float = 0.0
+
+
+def _prompt(client: int, index: int) -> str:
+    return f"Request {index} from client {client}: tell me about the sea."
+
+
+def _closed_loop(concurrency: int, per_client: int, send) -> tuple[list[float], float]:
+    """``concurrency`` clients each sending ``per_client`` requests back to back."""
+    latencies: list[float] = []
+    errors: list[BaseException] = []
+
+    def client(number: int) -> None:
+        try:
+            for index in range(per_client):
+                started = time.perf_counter()
+                send(_prompt(number, index))
+                latencies.append(time.perf_counter() - started)
+        except BaseException as error:  # surfaced below, not lost in a thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(concurrency)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return latencies, time.perf_counter() - started
+
+
+def _row(path: str, concurrency: int, latencies: list[float], wall_s: float, tokens: int):
+    mean = statistics.fmean(latencies)
+    return OverheadRow(
+        path=path,
+        concurrency=concurrency,
+        requests=len(latencies),
+        ms_per_request=1000 * mean,
+        ms_per_token=1000 * mean / tokens,
+        tokens_per_s=len(latencies) * tokens / wall_s,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _engine_rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
+    """The engine takes a batch per call: a wave of ``concurrency`` requests at a time."""
+    from specray import Engine, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=config.max_tokens, ignore_eos=True)
+    engine = Engine(target, draft=config.draft)
+    engine.generate([_prompt(0, 0)], params, use_chat_template=False)  # warm up
+    rows = []
+    for concurrency in config.concurrency:
+        latencies = []
+        started = time.perf_counter()
+        for index in range(config.requests_per_client):
+            prompts = [_prompt(n, index) for n in range(concurrency)]
+            wave = time.perf_counter()
+            outputs = engine.generate(prompts, params, use_chat_template=False)
+            assert all(len(o.token_ids) == config.max_tokens for o in outputs)
+            latencies += [time.perf_counter() - wave] * concurrency
+        wall = time.perf_counter() - started
+        rows.append(_row("engine", concurrency, latencies, wall, config.max_tokens))
+    engine.shutdown()
+    return rows
+
+
+def _served_rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
+    import ray
+
+    from specray.client import Client
+    from specray.cluster.placement import PlacementConfig
+    from specray.distributed import connect
+    from specray.serve import launch
+    from specray.serve.config import AppArgs
+
+    args = AppArgs(
+        target=target,
+        draft=config.draft,
+        model_name="bench",
+        grpc_port=_free_port(),
+        max_running=max(config.concurrency),
+        max_queue=max(config.concurrency),
+    )
+    connect("auto", PlacementConfig())
+    endpoints = launch.start(launch.deploy_config(args, http_port=_free_port()))
+    tokens = config.max_tokens
+    fields = {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    rows = []
+    try:
+        with Client(endpoints.grpc) as client:
+
+            def grpc_send(prompt: str) -> None:
+                completion = client.generate(prompt, **fields)
+                assert completion.completion_tokens == tokens
+
+            def http_send(prompt: str) -> None:
+                body = json.dumps({"model": "bench", "prompt": prompt, **fields}).encode()
+                request = urllib.request.Request(
+                    f"{endpoints.http}/v1/completions", body, {"content-type": "application/json"}
+                )
+                with urllib.request.urlopen(request, timeout=300) as response:
+                    reply = json.loads(response.read())
+                assert reply["usage"]["completion_tokens"] == tokens
+
+            for send in (grpc_send, http_send):  # warm up both paths
+                send(_prompt(0, 0))
+            for concurrency in config.concurrency:
+                for path, send in (("grpc", grpc_send), ("http", http_send)):
+                    latencies, wall = _closed_loop(concurrency, config.requests_per_client, send)
+                    rows.append(_row(path, concurrency, latencies, wall, tokens))
+    finally:
+        launch.stop()
+        ray.shutdown()
+    return rows
+
+
+def run_overhead_bench(config: OverheadConfig = OverheadConfig()) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        target = config.target
+        if target == "tiny":
+            from specray.models.tiny import save_tiny_model
+
+            target = save_tiny_model(folder)
+        rows = _engine_rows(config, target) + _served_rows(config, target)
+    engine = {row.concurrency: row for row in rows if row.path == "engine"}
+    for row in rows:
+        base = engine[row.concurrency]
+        row.overhead_ms_per_request = row.ms_per_request - base.ms_per_request
+        row.overhead_ms_per_token = row.ms_per_token - base.ms_per_token
+    return {"config": asdict(config), "rows": [asdict(row) for row in rows]}
+
+
+def format_overhead(report: dict) -> str:
+    lines = [
+        "path    conc  requests  ms/request  ms/token  tokens/s  +ms/request  +ms/token",
+    ]
+    for row in report["rows"]:
+        lines.append(
+            f"{row['path']:<7} {row['concurrency']:>4}  {row['requests']:>8}  "
+            f"{row['ms_per_request']:>10.1f}  {row['ms_per_token']:>8.2f}  "
+            f"{row['tokens_per_s']:>8.1f}  {row['overhead_ms_per_request']:>11.1f}  "
+            f"{row['overhead_ms_per_token']:>9.2f}"
+        )
+    config = report["config"]
+    lines.append(
+        f"(target {config['target']}, draft {config['draft']}, {config['max_tokens']} tokens per "
+        "request; + = over Engine.generate in process at the same concurrency)"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""The typed application builder and its configs, without deploying: argument validation, the
+deployment graph Serve would run, the deploy config ``specray serve`` sends, and the shipped
+``examples/serve_config.yaml``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve._private.build_app import build_app as serve_build
+from ray.serve.schema import ServeDeploySchema
+
+from specray.serve import build_app
+from specray.serve.config import AppArgs
+from specray.serve.launch import deploy_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def deployments(args: AppArgs) -> dict:
+    built = serve_build(build_app(args), name="specray")
+    return {d.name: d for d in built.deployments}
+
+
+def test_unknown_keys_and_bad_values_are_errors_naming_the_key():
+    with pytest.raises(ValidationError, match="num_drafts"):
+        AppArgs(num_drafts=2)
+    with pytest.raises(ValidationError, match="tp_size"):
+        AppArgs(tp_size=0)
+    with pytest.raises(ValidationError, match="max_draft_workers"):
+        AppArgs(num_draft_workers=3, max_draft_workers=2)
+    with pytest.raises(ValidationError, match="tls_cert"):
+        AppArgs(tls_cert="/no/such/cert.pem", tls_key="/no/such/key.pem")
+    with pytest.raises(ValidationError, match="num_micro_batches"):
+        AppArgs(num_micro_batches=99)
+
+
+def test_text_values_from_the_command_line_are_converted():
+    args = AppArgs(**{"num_speculative_tokens": "6", "draft": "none", "grpc_port": "9001"})
+    assert args.num_speculative_tokens == 6 and args.grpc_port == 9001
+    assert args.draft is None
+    assert args.coordinator_config().num_speculative_tokens == 0  # no draft, no speculation
+
+
+def test_the_graph_has_stable_names_tp_bundles_and_draft_placement():
+    args = AppArgs(tp_size=2, num_draft_workers=2, draft_resource="l4", target_resource="h100")
+    graph = deployments(args)
+    assert set(graph) == {"Ingress", "Coordinator", "TargetWorker", "DraftWorker"}
+    bundles = graph["TargetWorker"]._replica_config.placement_group_bundles
+    assert [b.get("h100", 0) for b in bundles] == [0, 1.0, 1.0]  # the replica, then 2 ranks
+    assert graph["TargetWorker"]._replica_config.placement_group_strategy == "STRICT_PACK"
+    draft_options = graph["DraftWorker"].ray_actor_options
+    assert "l4" in draft_options["resources"]
+    assert graph["DraftWorker"].num_replicas == 2
+    # Serve lets more requests through than the coordinator admits: its 503 comes first.
+    assert graph["Coordinator"].max_ongoing_requests > args.max_running + args.max_queue
+    assert graph["TargetWorker"].num_replicas == 1
+    assert "Draft" not in str(deployments(AppArgs(draft="none")))
+
+
+def test_autoscaled_pool_gets_an_autoscaling_config_and_an_application_policy():
+    args = AppArgs(num_draft_workers=1, max_draft_workers=3)
+    config = deploy_config(args, http_port=8123)
+    schema = ServeDeploySchema(**config)
+    application = schema.applications[0]
+    assert application.import_path == "specray.serve:build_app"
+    assert application.autoscaling_policy["policy_function"].endswith(":ApplicationPolicy")
+    assert application.args["autoscaling"] == "application"
+    graph = deployments(AppArgs(**application.args))
+    scaling = graph["DraftWorker"]._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas) == (1, 3)
+    fixed = deployments(AppArgs(num_draft_workers=2))["DraftWorker"]
+    assert fixed._deployment_config.autoscaling_config is None and fixed.num_replicas == 2
+
+
+def test_the_example_serve_config_is_valid_and_consistent():
+    config = yaml.safe_load((ROOT / "examples" / "serve_config.yaml").read_text())
+    schema = ServeDeploySchema(**config)
+    application = schema.applications[0]
+    args = AppArgs(**application.args)
+    assert set(deployments(args)) == {"Ingress", "Coordinator", "TargetWorker", "DraftWorker"}
+    expected = args.autoscaling_settings().to_dict()
+    for key, value in application.autoscaling_policy["policy_kwargs"].items():
+        assert expected[key] == value, key
