@@ -1,6 +1,8 @@
 """What the serving layers cost: the same greedy requests through ``Engine.generate`` in this
-process, and through the served application (Ray Serve, the coordinator, Ray actors) by the
-gRPC client library and by the OpenAI-compatible HTTP API, at each concurrency, in one run.
+process (``engine``), through the engine's distributed path (``ray``: the coordinator driving
+Ray actors, no Serve), and through the served application (Ray Serve, the coordinator, Ray
+actors) by the gRPC client library (``grpc``) and the OpenAI-compatible HTTP API (``http``), at
+each concurrency, in one run.
 
 With the default tiny random model the model's own time is negligible, so the differences are
 the machinery: per request (admission, front end, Serve handle) and per token (one round trip
@@ -39,7 +41,7 @@ class OverheadConfig:
 
 @dataclass
 class OverheadRow:
-    path: str  # engine | grpc | http
+    path: str  # engine | ray | grpc | http
     concurrency: int
     requests: int
     ms_per_request: float  # mean latency of one request
@@ -96,12 +98,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _engine_rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
-    """The engine takes a batch per call: a wave of ``concurrency`` requests at a time."""
+def _engine_rows(
+    config: OverheadConfig, target: str, path: str = "engine", cluster: str | None = None
+) -> list[OverheadRow]:
+    """The engine takes a batch per call: a wave of ``concurrency`` requests at a time.
+    ``cluster="auto"``: its distributed path (the coordinator driving Ray actors), no Serve."""
     from specray import Engine, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=config.max_tokens, ignore_eos=True)
-    engine = Engine(target, draft=config.draft)
+    engine = Engine(target, draft=config.draft, cluster=cluster)
     engine.generate([_prompt(0, 0)], params, use_chat_template=False)  # warm up
     rows = []
     for concurrency in config.concurrency:
@@ -114,7 +119,7 @@ def _engine_rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
             assert all(len(o.token_ids) == config.max_tokens for o in outputs)
             latencies += [time.perf_counter() - wave] * concurrency
         wall = time.perf_counter() - started
-        rows.append(_row("engine", concurrency, latencies, wall, config.max_tokens))
+        rows.append(_row(path, concurrency, latencies, wall, config.max_tokens))
     engine.shutdown()
     return rows
 
@@ -137,10 +142,10 @@ def _served_rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
         max_queue=max(config.concurrency),
     )
     connect("auto", PlacementConfig())
+    rows = _engine_rows(config, target, "ray", cluster="auto")
     endpoints = launch.start(launch.deploy_config(args, http_port=_free_port()))
     tokens = config.max_tokens
     fields = {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}
-    rows = []
     try:
         with Client(endpoints.grpc) as client:
 

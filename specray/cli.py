@@ -127,16 +127,33 @@ def _generate_remote(args: argparse.Namespace) -> int:
     prompt = {"prompt": args.prompt} if args.no_chat_template else {
         "messages": [{"role": "user", "content": args.prompt}]
     }  # fmt: skip
-    with Client(args.server, token=args.token) as client:
-        completion = None
-        for chunk in client.stream(**prompt, num_speculative_tokens=args.k, **fields):
-            if not args.json:
-                print(chunk.text, end="", flush=True)
-            completion = chunk.completion or completion
+    from specray.client import SpecrayClientError
+
+    try:
+        with Client(args.server, token=args.token) as client:
+            completion = None
+            for chunk in client.stream(**prompt, num_speculative_tokens=args.k, **fields):
+                if not args.json:
+                    print(chunk.text, end="", flush=True)
+                completion = chunk.completion or completion
+    except SpecrayClientError as error:
+        print(f"specray: error: {error.code.name}: {error.message}", file=sys.stderr)
+        return 1
+    spec = dict(completion.speculative_decoding)
     if args.json:
-        print(json.dumps(completion.to_dict()))
+        record = {
+            "request_id": completion.request_id,
+            "text": completion.text,
+            "token_ids": list(completion.token_ids),
+            "finish_reason": completion.finish_reason,
+            "seed": completion.seed,
+            "usage": completion.usage,
+            "speculative_decoding": spec | {"num_accepted_tokens_per_pos": list(
+                spec.get("num_accepted_tokens_per_pos", ())
+            )},
+        }  # fmt: skip
+        print(json.dumps(record))
     else:
-        spec = completion.speculative_decoding
         print()
         print(
             f"[{completion.completion_tokens} tokens, acceptance "

@@ -201,6 +201,20 @@ def test_grpc_client_and_async_client_equal_the_engine(served, engine):
         assert list(completion.token_ids) == expected.token_ids
 
 
+def test_specray_generate_through_the_server(served, engine, capsys):
+    from specray.cli import main
+
+    expected = engine.generate(
+        PROMPTS[2:], SamplingParams(temperature=0, max_tokens=8), use_chat_template=True
+    )[0]
+    argv = ["generate", "--prompt", PROMPTS[2], "--server", served.grpc, "--temperature", "0"]
+    assert main([*argv, "--max-tokens", "8", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["token_ids"] == expected.token_ids
+    assert main([*argv, "--max-tokens", "0"]) == 1  # a clear error, no traceback
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
 # ---- bad input ------------------------------------------------------------------------
 BAD_HTTP = [
     ({"prompt": "x", "temperature": -1}, "temperature"),
