@@ -92,7 +92,7 @@ class AppArgs(BaseModel):
         return self.draft is not None and self.max_draft_workers is not None
 
     def autoscaling_settings(self):
-        from specray.cluster.autoscaling import AutoscalingSettings
+        from specray.cluster.scaling_rules import AutoscalingSettings
 
         return AutoscalingSettings(
             min_drafts_per_group=self.num_draft_workers,

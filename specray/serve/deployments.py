@@ -139,7 +139,7 @@ class DraftWorkerDeployment:
             self._busy = (now, stats["busy_s"])
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        from specray.cluster.autoscaling import draft_worker_stats
+        from specray.cluster.scaling_rules import draft_worker_stats
 
         return draft_worker_stats(draft_utilization=self.utilization)
 
@@ -291,7 +291,7 @@ class CoordinatorDeployment:
         return await self.service.health()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        from specray.cluster.autoscaling import coordinator_stats
+        from specray.cluster.scaling_rules import coordinator_stats
 
         # The target's busy fraction since the previous report (not since start).
         now, busy = time.monotonic(), self.coordinator.stats.target_compute_s

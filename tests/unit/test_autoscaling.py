@@ -14,16 +14,11 @@ from ray.serve.schema import ServeApplicationSchema
 
 from specray.cluster import autoscaling
 from specray.cluster.autoscaling import (
-    ACCEPTANCE_RATE,
     COORDINATOR,
     COORDINATOR_METRICS,
     DRAFT_UTILIZATION,
     DRAFT_WORKER,
     INGRESS,
-    QUEUE_DEPTH,
-    RUNNING,
-    SPECULATING_FRACTION,
-    TARGET_BUSY_FRACTION,
     TARGET_WORKER,
     ApplicationPolicy,
     AutoscalingSettings,
@@ -34,14 +29,21 @@ from specray.cluster.autoscaling import (
     application_autoscaling_policy,
     application_policy,
     autoscaling_config,
-    coordinator_stats,
     decide,
     decide_draft_pool,
+    plain_autoscaling_config,
+    supports_custom_policies,
+)
+from specray.cluster.scaling_rules import (
+    ACCEPTANCE_RATE,
+    QUEUE_DEPTH,
+    RUNNING,
+    SPECULATING_FRACTION,
+    TARGET_BUSY_FRACTION,
+    coordinator_stats,
     decide_target_groups,
     draft_worker_stats,
     group_draft_needs,
-    plain_autoscaling_config,
-    supports_custom_policies,
 )
 
 # Serve warns on any non-default metrics_interval_s, which it still uses as the push interval.
