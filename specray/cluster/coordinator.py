@@ -179,7 +179,9 @@ class Coordinator:
         self._waiting: list[_Request] = []
         self._batches: list[list[_Request]] = [[] for _ in range(config.num_micro_batches)]
         self._requests: dict[str, _Request] = {}
-        self._wakeup: asyncio.Event | None = None
+        # One event per round loop, each cleared only by its own loop before it looks for
+        # work: a shared one cleared by one loop could swallow a submit another loop needed.
+        self._wakeups: list[asyncio.Event] = []
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Future] = set()  # replacements under way
         # Incremented when a worker is replaced: failures of calls to an older one are ignored.
@@ -192,7 +194,7 @@ class Coordinator:
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._wakeup = asyncio.Event()
+        self._wakeups = [asyncio.Event() for _ in range(self.config.num_micro_batches)]
         self.stats.started_s = self._loop.time()
         self._tasks = [
             asyncio.create_task(self._run_micro_batch(index), name=f"micro-batch-{index}")
@@ -206,7 +208,7 @@ class Coordinator:
         if not drain:
             for request in list(self._requests.values()):
                 request.cancelled = True
-        self._wakeup.set()
+        self._notify()
         await asyncio.gather(*self._tasks)
         self._rtt_probe.cancel()
 
@@ -248,7 +250,10 @@ class Coordinator:
                     param="num_speculative_tokens",
                 )
             max_k = min(k, max_k)
-        if len(self._waiting) >= self.config.max_queue:
+        # Free slots count: requests submitted between two block boundaries wait for the next
+        # one even when slots are free, and a burst must not be refused for that.
+        free = max(self.config.max_running - self.num_running, 0)
+        if len(self._waiting) >= self.config.max_queue + free:
             self.metrics.labels(self.metrics.request_rejected).inc()
             raise OverloadedError(
                 f"admission queue is full ({self.config.max_queue} waiting); retry later"
@@ -276,7 +281,7 @@ class Coordinator:
         self._waiting.append(request)
         self.metrics.labels(self.metrics.prompt_tokens).inc(len(prompt_token_ids))
         self._update_gauges()
-        self._wakeup.set()
+        self._notify()
         return request.stream
 
     def _new_estimator(self) -> AcceptanceEstimator:
@@ -355,13 +360,14 @@ class Coordinator:
         if request in self._waiting:
             self._waiting.remove(request)
             self._end(request, RequestCancelledError(f"request {request_id} was cancelled"))
-        self._wakeup.set()
+        self._notify()
         return True
 
     # ---- the round loops ---------------------------------------------------------------
     async def _run_micro_batch(self, index: int) -> None:
         batch = self._batches[index]
         while True:
+            self._wakeups[index].clear()  # before looking: a later submit sets it again
             try:
                 self._expire_waiting()
                 self._admit(index)
@@ -371,8 +377,7 @@ class Coordinator:
             if not batch:
                 if self._draining and not self._waiting:
                     return
-                self._wakeup.clear()
-                await self._wait_for_work()
+                await self._wait_for_work(index)
                 continue
             try:
                 await self._round(index)
@@ -399,12 +404,16 @@ class Coordinator:
             self.costs.add_rtt(rtt_s)
             self.metrics.labels(self.metrics.network_latency).observe(rtt_s)
 
-    async def _wait_for_work(self) -> None:
+    def _notify(self) -> None:
+        for wakeup in self._wakeups:
+            wakeup.set()
+
+    async def _wait_for_work(self, index: int) -> None:
         """Sleep until a submit, an abort or the next waiting request's deadline."""
         deadlines = [r.deadline_s for r in self._waiting if r.deadline_s is not None]
         timeout = max(min(deadlines) - self._loop.time(), 0) if deadlines else None
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wakeup.wait(), timeout)
+            await asyncio.wait_for(self._wakeups[index].wait(), timeout)
 
     def _admit(self, index: int) -> None:
         """Join waiting requests at this block boundary. While the group speculates, keep the
@@ -774,6 +783,7 @@ class Coordinator:
         self.metrics.labels(self.metrics.request_success, finished_reason=reason).inc()
         request.stream._finish(output, error)
         self._update_gauges()
+        self._notify()  # a slot is free: a loop asleep with an empty batch may admit now
 
     def _output(self, request: _Request) -> RequestOutput:
         now = self._loop.time()

@@ -35,6 +35,7 @@ class AppArgs(BaseModel):
     max_queue: int = Field(256, ge=0)
     num_micro_batches: int = Field(2, ge=1, le=16)
     draft_deadline_s: float = Field(5.0, gt=0)
+    adaptive_k: bool = True  # choose k per request and round from measurements (else always k)
     # Placement by node type (Ray custom resources) and CPU shares.
     draft_resource: str = "draft"
     target_resource: str = "target"
@@ -109,6 +110,7 @@ class AppArgs(BaseModel):
             num_micro_batches=self.num_micro_batches,
             num_speculative_tokens=self.num_speculative_tokens if self.draft else 0,
             draft_deadline_s=self.draft_deadline_s,
+            adaptive_k=self.adaptive_k,
         )
 
     def placement(self) -> PlacementConfig:

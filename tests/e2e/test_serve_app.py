@@ -57,6 +57,7 @@ def served(cluster, tmp_path_factory):
         model_name="tiny",
         grpc_port=free_port(),
         num_speculative_tokens=4,
+        adaptive_k=False,  # speculate every round: the draft pool is busy from the start
         max_running=MAX_RUNNING,
         max_queue=MAX_QUEUE,
         num_draft_workers=1,
@@ -312,7 +313,10 @@ def test_overload_is_immediate_and_cancelled_requests_free_the_workers(served):
         for thread in holders:
             thread.join(timeout=60)
     wait_until_freed()
-    assert gauge(served.http, "num_requests_running") == 0
+    deadline = time.monotonic() + 30  # and nothing is left running or waiting
+    while gauge(served.http, "num_requests_running") + gauge(served.http, "num_requests_waiting"):
+        assert time.monotonic() < deadline, "requests left in the coordinator"
+        time.sleep(0.2)
 
 
 def test_client_deadline_propagates_and_frees_the_workers(served):
@@ -357,11 +361,16 @@ def test_draft_pool_scales_up_under_load(served, engine):
 
     assert draft_replicas() == 1
     stop = threading.Event()
+    errors: list[BaseException] = []
 
     def load(index: int) -> None:
-        with Client(served.grpc) as client:
-            while not stop.is_set():
-                client.generate(f"load {index}", max_tokens=200, ignore_eos=True, temperature=0)
+        try:
+            with Client(served.grpc) as client:
+                while not stop.is_set():
+                    client.generate(f"load {index}", max_tokens=200, ignore_eos=True, temperature=0)
+        except BaseException as error:  # reported by the test, not lost in the thread
+            errors.append(error)
+            stop.set()
 
     clients = [threading.Thread(target=load, args=(i,)) for i in range(MAX_RUNNING)]
     started = time.monotonic()
@@ -371,6 +380,11 @@ def test_draft_pool_scales_up_under_load(served, engine):
     readings, decided_s = [], None
     try:
         while draft_replicas() < 2:
+            assert not errors, (
+                f"the load failed: {errors[0]!r}; running "
+                f"{gauge(served.http, 'num_requests_running')}, waiting "
+                f"{gauge(served.http, 'num_requests_waiting')}"
+            )
             assert time.monotonic() - started < 240, f"no scale-up; utilisation {readings}"
             if decided_s is None and draft_replicas(None) >= 2:
                 decided_s = time.monotonic() - started
