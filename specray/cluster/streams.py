@@ -34,6 +34,17 @@ class RequestStream:
         self._queue.put_nowait(StreamDelta([], output) if error is None else error)
         self._done.set()
 
+    def next_ready(self) -> StreamDelta | None:
+        """The next delta if one is already queued (no waiting), else None: a consumer slower
+        than the rounds merges what piled up instead of forwarding it piece by piece."""
+        try:
+            item = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+        if isinstance(item, SpecrayError):
+            raise item
+        return item
+
     def __aiter__(self) -> AsyncIterator[StreamDelta]:
         return self._iterate()
 

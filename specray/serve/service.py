@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from specray.cluster.coordinator import Coordinator, CoordinatorConfig
+from specray.cluster.streams import StreamDelta
 from specray.errors import InvalidRequestError, RequestCancelledError, SpecrayError
 from specray.outputs import RequestOutput
 from specray.sampling import SamplingParams, SamplingParamsError
@@ -105,7 +106,13 @@ class CoordinatorService:
         text = TextStream(self.tokenizer, request.stop)
         finished = False
         try:
-            async for delta in stream:
+            async for first in stream:
+                # Deltas that piled up while the caller was slow travel as one event.
+                token_ids, output = list(first.token_ids), first.output
+                while output is None and (more := stream.next_ready()) is not None:
+                    token_ids += more.token_ids
+                    output = more.output
+                delta = StreamDelta(token_ids, output)
                 piece = text.push(delta.token_ids)
                 if text.stopped:  # a stop string: end here, whatever the target would add
                     output = self.coordinator.output_so_far(request_id) or delta.output

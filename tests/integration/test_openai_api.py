@@ -39,6 +39,7 @@ class Served:
     loop: asyncio.AbstractEventLoop
     backend: LocalBackend
     ports: dict[str, int]  # app name -> port
+    refusing: LocalBackend  # one slot, no queue: refuses while a request runs
 
     def url(self, app: str = "open") -> str:
         return f"http://127.0.0.1:{self.ports[app]}"
@@ -78,7 +79,7 @@ def served(chat_pair):
         config = CoordinatorConfig(num_speculative_tokens=4, adaptive_k=False)
         backend = await LocalBackend.start(target, draft, model_name=MODEL, config=config)
         refusing = await LocalBackend.start(
-            target, None, model_name=MODEL, config=CoordinatorConfig(max_queue=0)
+            target, None, model_name=MODEL, config=CoordinatorConfig(max_running=1, max_queue=0)
         )
         apps = {
             "open": build_http_app(backend),
@@ -97,6 +98,7 @@ def served(chat_pair):
             asyncio.get_running_loop(),
             backend,
             {name: sock.getsockname()[1] for name, sock in sockets.items()},
+            refusing,
         )
         ready.set()
         try:
@@ -455,13 +457,18 @@ def test_deadline_is_504(served):
 
 
 def test_overloaded_is_503_with_retry_after(served):
+    from specray import SamplingParams
+
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+    hold = SamplingParams(max_tokens=250, ignore_eos=True)  # holds the one slot meanwhile
+    holding = served.run(served.refusing.coordinator.submit([1, 2, 3], hold))
     for stream in (False, True):
         reply = httpx.post(
             f"{served.url('overloaded')}/v1/completions", json=body | {"stream": stream}
         )
         assert _assert_error(reply, 503)["type"] == "overloaded_error"
         assert reply.headers["retry-after"] == "1"
+    served.run(served.refusing.abort(holding.request_id))
 
 
 class BrokenBackend:
