@@ -111,3 +111,29 @@ class CoordinatorMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition format (what ``GET /metrics`` serves)."""
         return generate_latest(self.registry)
+
+
+def merge_expositions(texts: dict[str, bytes], label: str = "replica") -> bytes:
+    """One exposition from several coordinators' (``{replica id: render()}``): every sample
+    gains ``label=<replica id>``, so each series stays its own and sums are a query away."""
+    from prometheus_client.core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Metric] = {}
+    for source, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text.decode()):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(
+                    family.name, family.documentation, family.type, family.unit
+                )
+            for sample in family.samples:
+                merged.add_sample(sample.name, {**sample.labels, label: source}, sample.value)
+
+    class _Snapshot:
+        def collect(self):
+            return list(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot())
+    return generate_latest(registry)

@@ -260,6 +260,9 @@ class CoordinatorDeployment:
                     self.drafts.update(await self.registry.drafts_of.remote(self.group_id))
                 if time.monotonic() - last_claim > HEARTBEAT_S:
                     await self.registry.claim_target.remote(self.coordinator_id)
+                    await self.registry.put_metrics.remote(
+                        self.coordinator_id, self.coordinator.metrics.render()
+                    )
                     last_claim = time.monotonic()
             except Exception as error:
                 log.warning("registry refresh failed: %s", error)
@@ -316,8 +319,9 @@ class CoordinatorDeployment:
 class ServeBackend:
     """A :class:`specray.serve.protocol.GenerationBackend` over the Coordinator deployment."""
 
-    def __init__(self, coordinator):
+    def __init__(self, coordinator, registry=None):
         self.handle = coordinator
+        self.registry = registry  # several coordinators: their metrics, merged
         self._info: dict | None = None
         self._live: dict[str, object] = {}  # request id -> its response stream (for Abort)
 
@@ -359,6 +363,14 @@ class ServeBackend:
             return False
 
     async def metrics_text(self) -> bytes:
+        """One coordinator: its registry, live. Several: each one's latest exposition (at
+        most a heartbeat old), merged with a ``replica`` label."""
+        if self.registry is not None:
+            snapshots = await self.registry.all_metrics.remote()
+            if len(snapshots) > 1:
+                from specray.cluster.metrics import merge_expositions
+
+                return merge_expositions(snapshots)
         return await self.handle.metrics_text.remote()
 
 
@@ -367,7 +379,7 @@ class IngressDeployment:
         from specray.serve.grpc_api import TLSConfig, start_grpc_server
 
         self.args = AppArgs(**args)
-        self.backend = ServeBackend(coordinator)
+        self.backend = ServeBackend(coordinator, get_registry(_app_name()))
         self.grpc_server = None
         if self.args.grpc_port is not None:
             tls = None

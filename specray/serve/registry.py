@@ -30,6 +30,7 @@ class Registry:
         self.targets: dict[str, dict] = {}  # group id -> {leader, address, info, claimed_by}
         self.claims: dict[str, float] = {}  # coordinator id -> last renewal (monotonic)
         self.drafts: dict[str, dict] = {}  # worker id -> {handle, group}
+        self.metrics: dict[str, bytes] = {}  # coordinator id -> its latest exposition text
 
     # ---- target groups -------------------------------------------------------------
     def add_target(self, group_id: str, leader, address: str, info: dict) -> None:
@@ -68,9 +69,20 @@ class Registry:
 
     def release_claim(self, coordinator_id: str) -> None:
         self.claims.pop(coordinator_id, None)
+        self.metrics.pop(coordinator_id, None)
         for group in self.targets.values():
             if group["claimed_by"] == coordinator_id:
                 group["claimed_by"] = None
+
+    # ---- metrics of several coordinators ---------------------------------------------
+    def put_metrics(self, coordinator_id: str, text: bytes) -> None:
+        self.metrics[coordinator_id] = text
+
+    def all_metrics(self) -> dict[str, bytes]:
+        """The latest exposition of each coordinator that still renews its claim."""
+        now = time.monotonic()
+        live = {c for c, at in self.claims.items() if now - at <= CLAIM_TTL_S}
+        return {c: text for c, text in self.metrics.items() if c in live}
 
     # ---- draft workers -------------------------------------------------------------
     def add_draft(self, worker_id: str, handle) -> dict | None:
