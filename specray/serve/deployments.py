@@ -24,7 +24,7 @@ import time
 
 from ray import serve
 
-from specray.errors import SpecrayError, error_from_dict, error_to_dict
+from specray.errors import InvalidRequestError, SpecrayError, error_from_dict, error_to_dict
 from specray.serve.config import AppArgs
 from specray.serve.protocol import GenerateRequest
 from specray.serve.registry import get_registry
@@ -276,10 +276,7 @@ class CoordinatorDeployment:
         except SpecrayError as error:
             yield {"kind": "error", "error": error_to_dict(error)}
         except (TypeError, ValueError) as error:  # a malformed request record
-            yield {
-                "kind": "error",
-                "error": {"type": "invalid_request_error", "message": str(error)},
-            }
+            yield {"kind": "error", "error": error_to_dict(InvalidRequestError(str(error)))}
 
     async def abort(self, request_id: str) -> bool:
         return await self.service.abort(request_id)

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from specray.cluster.coordinator import Coordinator, CoordinatorConfig
 from specray.cluster.streams import StreamDelta
-from specray.errors import InvalidRequestError, RequestCancelledError, SpecrayError
+from specray.errors import InvalidRequestError, RequestCancelledError
 from specray.outputs import RequestOutput
 from specray.sampling import SamplingParams, SamplingParamsError
 from specray.serve.protocol import GenerateRequest
@@ -230,4 +230,4 @@ class LocalBackend(CoordinatorService):
         await loop.run_in_executor(None, target.close)
 
 
-__all__ = ["CoordinatorService", "LocalBackend", "SpecrayError", "final_event"]
+__all__ = ["CoordinatorService", "LocalBackend", "final_event"]

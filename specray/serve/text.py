@@ -35,6 +35,10 @@ class TextStream:
     incomplete character, and the last ``len(longest stop) - 1`` characters, which could be
     the start of a stop string. ``stopped`` is set when a stop string appeared; the text then
     ends right before it. ``flush()`` returns what was held back once the output is final.
+
+    Decoding is incremental: each push decodes only the tokens since the last complete
+    character, with the chunk before them as context (a token's text can depend on its left
+    neighbour), so a long output costs O(length), not O(length^2), per request.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
@@ -45,25 +49,35 @@ class TextStream:
         self.text = ""  # decoded so far (stop applied)
         self.emitted = 0  # characters of ``text`` already returned
         self.stopped = False
+        self._prefix = 0  # the decode window starts here (context for the new tokens)
+        self._read = 0  # tokens whose text is in ``text``
 
     def push(self, token_ids: Sequence[int]) -> str:
-        if self.stopped or self.tokenizer is None:
-            self.token_ids.extend(token_ids)
-            return ""
         self.token_ids.extend(token_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cut = self._first_stop(text)
+        if self.stopped or self.tokenizer is None:
+            return ""
+        self._decode_new(force=False)
+        cut = self._first_stop(self.text)
         if cut is not None:
-            self.text, self.stopped = text[:cut], True
+            self.text, self.stopped = self.text[:cut], True
             return self._take(len(self.text))
-        self.text = text
-        safe = len(text) - self._hold
-        while safe > self.emitted and text[safe - 1] == REPLACEMENT_CHAR:
-            safe -= 1
-        return self._take(safe)
+        return self._take(len(self.text) - self._hold)
 
     def flush(self) -> str:
+        if not self.stopped and self.tokenizer is not None:
+            self._decode_new(force=True)  # the output is final: an incomplete tail included
         return self._take(len(self.text))
+
+    def _decode_new(self, *, force: bool) -> None:
+        """Append the text of the tokens not yet read, unless it ends mid-character."""
+        decode = self.tokenizer.decode
+        window = self.token_ids[self._prefix :]
+        before = decode(window[: self._read - self._prefix], skip_special_tokens=True)
+        after = decode(window, skip_special_tokens=True)
+        if len(after) <= len(before) or (after.endswith(REPLACEMENT_CHAR) and not force):
+            return
+        self.text += after[len(before) :]
+        self._prefix, self._read = self._read, len(self.token_ids)
 
     def _first_stop(self, text: str) -> int | None:
         # Search from just before the new text: a stop string may straddle two deltas.
