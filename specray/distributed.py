@@ -74,8 +74,7 @@ class TargetGroup:
         worker = ray.remote(concurrency_groups=TargetWorker.CONCURRENCY_GROUPS)(TargetWorker)
         self.ranks = [
             worker.options(
-                num_cpus=placement.target_num_cpus,
-                resources={placement.target_resource: 1.0},
+                **placement.target_rank_options(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, first_bundle + rank),
             ).remote(target, rank, tp_size, init_method, placement.num_threads)
             for rank in range(tp_size)

@@ -12,6 +12,10 @@ class PlacementConfig:
     target_resource: str = "target"  # custom resource advertised by target (large GPU) nodes
     draft_num_cpus: float = 0.5  # per draft worker
     target_num_cpus: float = 0.5  # per TP rank
+    # GPUs per draft worker / per TP rank: 0 on CPU-only clusters; on GPU node types 1 per TP
+    # rank (a fraction lets several small drafts share one GPU).
+    draft_num_gpus: float = 0.0
+    target_num_gpus: float = 0.0
     num_threads: int = 1  # torch threads per worker
 
     def __post_init__(self) -> None:
@@ -23,6 +27,14 @@ class PlacementConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
+        for name in ("draft_num_gpus", "target_num_gpus"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
+        if self.target_num_gpus > 1 and self.target_num_gpus != int(self.target_num_gpus):
+            raise ValueError(
+                f"target_num_gpus above 1 must be a whole number, got {self.target_num_gpus!r}"
+            )
         if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int):
             raise ValueError(f"num_threads must be an integer, got {self.num_threads!r}")
         if self.num_threads < 1:
@@ -38,7 +50,20 @@ class PlacementConfig:
 
     def target_bundles(self, tp_size: int) -> list[dict[str, float]]:
         """One bundle per TP rank; STRICT_PACK keeps the group on one target node."""
-        return [{"CPU": self.target_num_cpus, self.target_resource: 1.0}] * tp_size
+        bundle = {"CPU": self.target_num_cpus, self.target_resource: 1.0}
+        if self.target_num_gpus:
+            bundle["GPU"] = self.target_num_gpus
+        return [bundle] * tp_size
+
+    def target_rank_options(self) -> dict:
+        """Ray actor options of one TP rank (placed in its own bundle of target_bundles)."""
+        options = {"num_cpus": self.target_num_cpus, "resources": {self.target_resource: 1.0}}
+        if self.target_num_gpus:
+            options["num_gpus"] = self.target_num_gpus
+        return options
 
     def draft_options(self) -> dict:
-        return {"num_cpus": self.draft_num_cpus, "resources": {self.draft_resource: 1.0}}
+        options = {"num_cpus": self.draft_num_cpus, "resources": {self.draft_resource: 1.0}}
+        if self.draft_num_gpus:
+            options["num_gpus"] = self.draft_num_gpus
+        return options

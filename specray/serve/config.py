@@ -41,6 +41,8 @@ class AppArgs(BaseModel):
     target_resource: str = "target"
     draft_num_cpus: float = Field(0.5, gt=0)
     target_num_cpus: float = Field(0.5, gt=0)
+    draft_num_gpus: float = Field(0.0, ge=0)  # per draft worker (a fraction shares a GPU)
+    target_num_gpus: float = Field(0.0, ge=0)  # per TP rank: 1 on GPU target nodes
     num_threads: int = Field(1, ge=1)
     # Front ends.
     grpc_port: int | None = Field(DEFAULT_GRPC_PORT, ge=0, le=65535)  # None: no gRPC API
@@ -119,5 +121,7 @@ class AppArgs(BaseModel):
             target_resource=self.target_resource,
             draft_num_cpus=self.draft_num_cpus,
             target_num_cpus=self.target_num_cpus,
+            draft_num_gpus=self.draft_num_gpus,
+            target_num_gpus=self.target_num_gpus,
             num_threads=self.num_threads,
         )
