@@ -68,11 +68,22 @@ def build_app(args: AppArgs | dict) -> Application:
         serve.ingress()(d.IngressDeployment),
         name="Ingress",
         num_replicas=args.num_ingress_replicas,
-        ray_actor_options=cpus,
+        ray_actor_options=_ingress_options(args),
         max_ongoing_requests=INGRESS_MAX_ONGOING,
         graceful_shutdown_timeout_s=60,
     )
     return ingress.bind(plain, coordinator)
+
+
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
+
+
+def _ingress_options(args: AppArgs) -> dict:
+    if not args.ingress_on_head:
+        return {"num_cpus": REPLICA_CPUS_DEFAULT}
+    # No CPU ask: heads usually advertise num-cpus 0 to keep work off them, and the ingress
+    # only forwards (as Serve's own proxy there does).
+    return {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}}
 
 
 def _scaling(name: str, args: AppArgs, fixed: int) -> dict:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -47,10 +48,16 @@ class AppArgs(BaseModel):
     # Front ends.
     grpc_port: int | None = Field(DEFAULT_GRPC_PORT, ge=0, le=65535)  # None: no gRPC API
     auth_token: str | None = None  # bearer token both APIs require (health checks excepted)
+    # Or the name of an environment variable that holds it, read where the Ingress runs: the
+    # token then stays out of the Serve config (and a RayService spec, and the dashboard).
+    auth_token_env: str | None = None
     tls_cert: str | None = None  # PEM files: server certificate and key (TLS on gRPC)
     tls_key: str | None = None
     tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
     num_ingress_replicas: int = Field(1, ge=1)
+    # Pin the Ingress (and so the gRPC API) to the head node, next to Serve's HTTP proxy
+    # (proxy_location HeadOnly): on a cluster both APIs are then at the head's address.
+    ingress_on_head: bool = False
     # How the draft pool scales between num_ and max_draft_workers (specray.cluster.autoscaling):
     # "application": the app-level policy (needs a deploy config: `specray serve`, serve deploy);
     # "deployment": the draft pool's own policy (serve run); "plain": Serve's request-based rule.
@@ -75,6 +82,8 @@ class AppArgs(BaseModel):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        if self.auth_token is not None and self.auth_token_env is not None:
+            raise ValueError("give auth_token or auth_token_env, not both")
         if self.max_draft_workers is not None and self.max_draft_workers < self.num_draft_workers:
             raise ValueError(
                 f"max_draft_workers ({self.max_draft_workers}) must be >= num_draft_workers "
@@ -89,6 +98,18 @@ class AppArgs(BaseModel):
         if self.model_name:
             return self.model_name
         return DEFAULT_MODEL_NAME if self.target == "default" else Path(self.target).name
+
+    def resolved_auth_token(self) -> str | None:
+        """The bearer token: ``auth_token``, or the value of ``auth_token_env`` here."""
+        if self.auth_token_env is None:
+            return self.auth_token
+        token = os.environ.get(self.auth_token_env)
+        if not token:
+            raise ValueError(
+                f"auth_token_env={self.auth_token_env!r}: that environment variable is not set "
+                "(or empty) where the Ingress runs"
+            )
+        return token
 
     @property
     def autoscaled(self) -> bool:

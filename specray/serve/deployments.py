@@ -383,13 +383,16 @@ class IngressDeployment:
             if self.args.tls_cert:
                 tls = TLSConfig(self.args.tls_cert, self.args.tls_key, self.args.tls_client_ca)
             self.grpc_server, self.grpc_port = await start_grpc_server(
-                self.backend, port=self.args.grpc_port, tls=tls, auth_token=self.args.auth_token
+                self.backend,
+                port=self.args.grpc_port,
+                tls=tls,
+                auth_token=self.args.resolved_auth_token(),
             )
 
     def __serve_build_asgi_app__(self):
         from specray.serve.openai_api import build_http_app
 
-        return build_http_app(self.backend, auth_token=self.args.auth_token)
+        return build_http_app(self.backend, auth_token=self.args.resolved_auth_token())
 
     async def check_health(self) -> None:
         # Only this replica's own parts: a coordinator that is down is reported by /health

@@ -84,3 +84,29 @@ def test_the_example_serve_config_is_valid_and_consistent():
     expected = args.autoscaling_settings().to_dict()
     for key, value in application.autoscaling_policy["policy_kwargs"].items():
         assert expected[key] == value, key
+
+
+def test_auth_token_from_the_environment_stays_out_of_the_config(monkeypatch):
+    args = AppArgs(auth_token_env="SPECRAY_TEST_TOKEN")
+    assert "SPECRAY_TEST_TOKEN" in str(deploy_config(args))
+    with pytest.raises(ValueError, match="auth_token_env='SPECRAY_TEST_TOKEN'"):
+        args.resolved_auth_token()  # not set where the ingress runs: a clear error
+    monkeypatch.setenv("SPECRAY_TEST_TOKEN", "s3cret")
+    assert args.resolved_auth_token() == "s3cret"
+    assert "s3cret" not in str(deploy_config(args))
+    assert AppArgs(auth_token="t").resolved_auth_token() == "t"
+    with pytest.raises(ValidationError, match="not both"):
+        AppArgs(auth_token="t", auth_token_env="X")
+
+
+def test_gpu_asks_and_ingress_on_head_reach_the_deployments():
+    args = AppArgs(tp_size=2, target_num_gpus=1, draft_num_gpus=0.5, ingress_on_head=True)
+    built = deployments(args)
+    target = built["TargetWorker"]._replica_config.placement_group_bundles
+    assert target[1:] == [{"CPU": 0.5, "target": 1.0, "GPU": 1}] * 2
+    ingress = built["Ingress"]._replica_config.ray_actor_options
+    assert ingress["num_cpus"] == 0 and ingress["resources"] == {"node:__internal_head__": 0.001}
+    assert args.placement().draft_options()["num_gpus"] == 0.5
+    assert "num_gpus" not in AppArgs().placement().draft_options()
+    with pytest.raises(ValidationError, match="draft_num_gpus"):
+        AppArgs(draft_num_gpus=-1)
