@@ -95,10 +95,12 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per configuration")
 
+    from specray.ops.cli import add_cluster_parser
     from specray.serve.cli import add_serve_parser
     from specray.sim.cli import add_simulate_parser
 
     add_serve_parser(commands)
+    add_cluster_parser(commands)
     add_simulate_parser(commands)
     return parser
 
@@ -287,6 +289,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    from specray.ops.cli import run_cluster
     from specray.serve.cli import run_serve
 
     handlers = {
@@ -294,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": _bench,
         "simulate": _simulate,
         "serve": run_serve,
+        "cluster": run_cluster,
     }
     try:
         return handlers[args.command](args)

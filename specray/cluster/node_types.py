@@ -121,7 +121,8 @@ def placement_problems(ask: PlacementAsk, node_types: Sequence[NodeType]) -> lis
                 )
 
     group = ask.target_group_needs()
-    target_types = [t for t in node_types if t.resources.get(ask.target_resource, 0)]
+    workers = [t for t in node_types if not t.is_head]  # the head's own problem is above
+    target_types = [t for t in workers if t.resources.get(ask.target_resource, 0)]
     if not target_types:
         problems.append(f"no node type advertises the target resource {ask.target_resource!r}")
     groups_capacity = sum(fits(t.resources, group) * t.max_nodes for t in target_types)
@@ -140,7 +141,7 @@ def placement_problems(ask: PlacementAsk, node_types: Sequence[NodeType]) -> lis
 
     if ask.max_drafts:
         draft = ask.draft_worker_needs()
-        draft_types = [t for t in node_types if t.resources.get(ask.draft_resource, 0)]
+        draft_types = [t for t in workers if t.resources.get(ask.draft_resource, 0)]
         if not draft_types:
             problems.append(f"no node type advertises the draft resource {ask.draft_resource!r}")
         for t in draft_types:
@@ -163,8 +164,10 @@ def _show(resources: Mapping[str, float]) -> str:
 
 
 def from_ray_up(config: Mapping) -> list[NodeType]:
-    """Node types of a ``ray up`` cluster config (``available_node_types``)."""
+    """Node types of a ``ray up`` cluster config (``available_node_types``); a worker type
+    without its own ``max_workers`` is bounded by the cluster's (Ray's default: 2)."""
     head = config.get("head_node_type")
+    cluster_max = int(config.get("max_workers", 2))
     types = []
     for name, spec in (config.get("available_node_types") or {}).items():
         is_head = name == head
@@ -172,7 +175,7 @@ def from_ray_up(config: Mapping) -> list[NodeType]:
             NodeType(
                 name=name,
                 resources={k: float(v) for k, v in (spec.get("resources") or {}).items()},
-                max_nodes=1 if is_head else int(spec.get("max_workers", 0)),
+                max_nodes=1 if is_head else int(spec.get("max_workers", cluster_max)),
                 is_head=is_head,
                 labels=dict(spec.get("labels") or {}),
             )

@@ -36,19 +36,25 @@ def add_serve_parser(commands) -> None:
         description="Start the embedded local Ray cluster (or join --address), deploy the "
         "specray application and print where it listens. Ctrl-C drains and stops it.",
     )
+    add_app_arguments(serve)
     serve.add_argument(
+        "--address", default=None, help="a Ray cluster address; default: embedded local Ray"
+    )
+
+
+def add_app_arguments(parser) -> None:
+    """The application's flags (--config, one flag per common AppArgs field, --set K=V and
+    the HTTP listen address), shared by ``specray serve`` and ``specray cluster up --local``."""
+    parser.add_argument(
         "--config",
         type=Path,
         help="YAML: a Serve deploy config (with 'applications') or specray app arguments",
     )
     for name, kind in _APP_FLAGS.items():
-        serve.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None)
-    serve.add_argument("--http-host", default="127.0.0.1", help="0.0.0.0 to listen publicly")
-    serve.add_argument("--http-port", type=int, default=8000)
-    serve.add_argument(
-        "--address", default=None, help="a Ray cluster address; default: embedded local Ray"
-    )
-    serve.add_argument(
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None)
+    parser.add_argument("--http-host", default="127.0.0.1", help="0.0.0.0 to listen publicly")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument(
         "--set",
         dest="extra",
         action="append",
@@ -58,7 +64,7 @@ def add_serve_parser(commands) -> None:
     )
 
 
-def _load_config(args: argparse.Namespace) -> dict:
+def load_app_config(args: argparse.Namespace) -> dict:
     """A Serve deploy config from --config and the flags (flags win)."""
     import yaml
 
@@ -99,9 +105,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from specray.serve import launch
 
     try:
-        config = _load_config(args)
+        config = load_app_config(args)
     except ValidationError as error:
-        raise ValueError(_validation_message(error)) from None
+        raise ValueError(validation_message(error)) from None
     application = config["applications"][0]
     placement = PlacementConfig(
         draft_resource=application["args"].get("draft_resource", "draft"),
@@ -132,7 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _validation_message(error) -> str:
+def validation_message(error) -> str:
     first = error.errors()[0]
     where = ".".join(str(part) for part in first["loc"]) or "arguments"
     value = first.get("input")

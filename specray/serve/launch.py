@@ -81,7 +81,8 @@ def start(
         status = serve.status()
         states = {name: status.applications.get(name) for name in names}
         line = ", ".join(
-            f"{name}: {app.status if app else 'pending'}" for name, app in states.items()
+            f"{name}: {getattr(app.status, 'value', app.status) if app else 'pending'}"
+            for name, app in states.items()
         )
         if line != seen:
             progress(line)

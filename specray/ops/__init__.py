@@ -1,0 +1,1 @@
+"""Cluster operations: local and cloud launchers, cluster-config and Helm chart validation."""
