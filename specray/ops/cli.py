@@ -153,15 +153,11 @@ def _run_local(args: argparse.Namespace, say) -> int:
 def _validate(args: argparse.Namespace) -> int:
     path: Path = args.path
     if (path / "Chart.yaml").is_file():
-        import yaml
-
         from specray.ops import chart
 
-        values: dict = {}
-        for file in args.values:
-            values = _merge(values, yaml.safe_load(file.read_text()) or {})
-        report = chart.validate_chart(path, values or None)
-        for line in report.lines:
+        values = chart.values_from_files(args.values) if args.values else None
+        report = chart.validate_chart(path, values)
+        for line in report.lines():
             print(line, flush=True)
         return 0 if report.ok else 1
     if args.values:
@@ -179,13 +175,3 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"FAIL {problem}", flush=True)
     print("PASS" if not problems else f"{len(problems)} problem(s)", flush=True)
     return 0 if not problems else 1
-
-
-def _merge(base: dict, override: dict) -> dict:
-    merged = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged

@@ -89,6 +89,13 @@ def validate(config: Mapping, *, base_dir: str | os.PathLike) -> list[str]:
     return problems
 
 
+def served_app(config: Mapping, *, base_dir: str | os.PathLike) -> ServedApp | None:
+    """The specray application the head deploys, or None where it cannot be read (``validate``
+    says why)."""
+    app, _ = _read_app(config, Path(base_dir))
+    return app
+
+
 def summary(config: Mapping) -> list[str]:
     """The node types as table lines: name, role, instance type, resources, min, max.
 
@@ -309,7 +316,7 @@ def _local_path(remote: str, file_mounts: Mapping[str, str], base_dir: Path) -> 
 
 
 @dataclass(frozen=True)
-class _App:
+class ServedApp:
     """The specray application of the Serve config the head deploys."""
 
     path: Path  # the local Serve config file
@@ -318,7 +325,7 @@ class _App:
     args: AppArgs
 
 
-def _read_app(config: Mapping, base_dir: Path) -> tuple[_App | None, list[str]]:
+def _read_app(config: Mapping, base_dir: Path) -> tuple[ServedApp | None, list[str]]:
     """The Serve config ``serve deploy`` sends from the head, read from its local source."""
     from pydantic import ValidationError
     from ray.serve.schema import ServeDeploySchema
@@ -365,11 +372,11 @@ def _read_app(config: Mapping, base_dir: Path) -> tuple[_App | None, list[str]]:
             f"{path}: args.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()
         ]
         return None, problems
-    return _App(path, schema.http_options.port, entry, args), problems
+    return ServedApp(path, schema.http_options.port, entry, args), problems
 
 
 # ---- 5. the app on these node types --------------------------------------------------------------
-def _app_problems(config: Mapping, app: _App) -> list[str]:
+def _app_problems(config: Mapping, app: ServedApp) -> list[str]:
     from specray.cluster.node_types import PlacementAsk, from_ray_up, placement_problems
     from specray.cluster.scaling_rules import AutoscalingSettings
 

@@ -1,0 +1,136 @@
+{{/* Names: KubeRay appends 6 characters to a RayService name for its RayCluster and
+     rejects RayService names over 47 characters. */}}
+{{- define "specray.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 47 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "specray.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 47 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 47 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 47 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "specray.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "specray.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specray.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "specray.labels" -}}
+helm.sh/chart: {{ include "specray.chart" . }}
+{{ include "specray.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "specray.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* "true" when the app has a draft model: AppArgs maps "none" and "" to none, and a
+     missing key to its default ("default"). */}}
+{{- define "specray.draftEnabled" -}}
+{{- $draft := ternary (toString .Values.app.draft) "default" (hasKey .Values.app "draft") }}
+{{- if not (has (lower $draft) (list "none" "")) }}true{{ end }}
+{{- end }}
+
+{{/* "true" when the draft pool autoscales (AppArgs.autoscaled). */}}
+{{- define "specray.autoscaled" -}}
+{{- if and (include "specray.draftEnabled" .) (not (kindIs "invalid" .Values.app.max_draft_workers)) }}true{{ end }}
+{{- end }}
+
+{{- define "specray.tlsDir" -}}/etc/specray/tls{{- end }}
+{{- define "specray.authEnv" -}}SPECRAY_AUTH_TOKEN{{- end }}
+
+{{/* The Serve deploy config (ServeDeploySchema), built as data and dumped, as
+     specray.serve.launch.deploy_config builds it. */}}
+{{- define "specray.serveConfig" -}}
+{{- $args := dict }}
+{{- range $key, $value := .Values.app }}
+{{- if not (kindIs "invalid" $value) }}
+{{- $_ := set $args $key $value }}
+{{- end }}
+{{- end }}
+{{- if not (hasKey .Values.app "grpc_port") }}
+{{- /* Helm deletes a key set to null: render the null, "no gRPC API", explicitly. */}}
+{{- $_ := set $args "grpc_port" nil }}
+{{- end }}
+{{- $_ := set $args "ingress_on_head" true }}
+{{- if .Values.auth.existingSecret }}
+{{- $_ := set $args "auth_token_env" (include "specray.authEnv" .) }}
+{{- end }}
+{{- if .Values.tls.existingSecret }}
+{{- $_ := set $args "tls_cert" (printf "%s/tls.crt" (include "specray.tlsDir" .)) }}
+{{- $_ := set $args "tls_key" (printf "%s/tls.key" (include "specray.tlsDir" .)) }}
+{{- if .Values.tls.clientCA }}
+{{- $_ := set $args "tls_client_ca" (printf "%s/ca.crt" (include "specray.tlsDir" .)) }}
+{{- end }}
+{{- end }}
+{{- $app := dict "name" "specray" "route_prefix" "/" "import_path" "specray.serve:build_app" }}
+{{- if include "specray.autoscaled" . }}
+{{- $_ := set $args "autoscaling" "application" }}
+{{- $groups := .Values.app.num_target_groups | default 1 }}
+{{- $kwargs := dict "min_drafts_per_group" (.Values.app.num_draft_workers | default 1) "max_drafts_per_group" .Values.app.max_draft_workers "scale_target_groups" false "min_target_groups" $groups "max_target_groups" $groups }}
+{{- $_ := set $app "autoscaling_policy" (dict "policy_function" "specray.cluster.autoscaling:ApplicationPolicy" "policy_kwargs" $kwargs) }}
+{{- end }}
+{{- $_ := set $app "args" $args }}
+{{- $config := dict "proxy_location" "HeadOnly" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app) }}
+{{- toYaml $config }}
+{{- end }}
+
+{{/* Env, volumes and mounts every Ray container shares. */}}
+{{- define "specray.env" -}}
+{{- if .Values.auth.existingSecret }}
+- name: {{ include "specray.authEnv" . }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.auth.existingSecret }}
+      key: {{ .Values.auth.secretKey }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "specray.volumeMounts" -}}
+{{- if .Values.models.claimName }}
+- name: models
+  mountPath: {{ .Values.models.mountPath }}
+  readOnly: true
+{{- end }}
+{{- if .Values.tls.existingSecret }}
+- name: tls
+  mountPath: {{ include "specray.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "specray.volumes" -}}
+{{- if .Values.models.claimName }}
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ .Values.models.claimName }}
+    readOnly: true
+{{- end }}
+{{- if .Values.tls.existingSecret }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.existingSecret }}
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      {{- if .Values.tls.clientCA }}
+      - {key: ca.crt, path: ca.crt}
+      {{- end }}
+{{- end }}
+{{- end }}
