@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specray-installed
 
-.PHONY: demo test bench lint format clean
+.PHONY: demo test chaos bench lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The full chaos run (every fault kind, a soak) after a long fuzzing pass; prints the table.
+chaos: $(STAMP)
+	rm -f .chaos-fuzz.jsonl
+	SPECRAY_FUZZ_EXAMPLES=2000 SPECRAY_FUZZ_REPORT=.chaos-fuzz.jsonl $(PY) -m pytest -q tests/fuzz
+	$(PY) -m tests.chaos.run --profile full --fuzz-report .chaos-fuzz.jsonl --json chaos-report.json
 
 bench: $(STAMP)
 	$(VENV)/bin/specray bench --json

@@ -20,6 +20,7 @@ from specray.core import RequestState
 from specray.drafters import DraftRequest, make_drafter
 from specray.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model_dir
 from specray.models.runner import ModelRunner
+from specray.rpc.faults import LinkFaults
 from specray.rpc.messages import block_to_pb, grpc_options
 from specray.sampling import DraftProbsEncoding, EncodedDraftProbs, stack_rows
 from specray.v1 import speculation_pb2_grpc as pb_grpc
@@ -71,6 +72,8 @@ class DraftWorker:
         self._target_address: str | None = None
         self._outbox: queue.Queue | None = None
         self.verdicts_received = 0
+        self.link_faults = LinkFaults()  # none unless the chaos suite injects them
+        self.blocks_dropped_by_faults = 0
         self.bytes_sent = 0
         self.busy_s = 0.0  # time spent drafting (its utilisation drives draft autoscaling)
 
@@ -98,6 +101,12 @@ class DraftWorker:
 
         threading.Thread(target=read_verdicts, daemon=True).start()
         self._outbox = outbox
+
+    def inject_link_faults(
+        self, delay_s: float = 0.0, drop_fraction: float = 0.0, seed: int = 0
+    ) -> None:
+        """Delay or drop the blocks this worker sends (the chaos suite); zeros turn it off."""
+        self.link_faults = LinkFaults(delay_s, drop_fraction, seed)
 
     # ---- drafting ----------------------------------------------------------------------
     def propose(self, round_spec: list[dict], draft_ahead: bool = False) -> dict:
@@ -127,8 +136,15 @@ class DraftWorker:
                     [entry.token_id for entry in block],
                     stack_rows([entry.encoded for entry in block]) if block else None,
                 )
+                fate = self.link_faults.fate() if self.link_faults.active else 0.0
+                if fate is None:
+                    self.blocks_dropped_by_faults += 1
+                    continue
                 sent_bytes += message.ByteSize()
-                self._outbox.put(message)
+                if fate:
+                    threading.Timer(fate, self._outbox.put, (message,)).start()
+                else:
+                    self._outbox.put(message)
             ahead = 0
             if draft_ahead:
                 ahead, ahead_steps = self._draft_ahead(round_spec, states)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import random
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 import grpc
@@ -11,7 +13,7 @@ from specray.client.config import Metadata, config_from_options
 from specray.client.errors import SpecrayClientError, no_final_error
 from specray.client.requests import build_request
 from specray.client.results import Chunk, Completion, ModelInfo
-from specray.client.retry import RetryPolicy, call_with_retries_async
+from specray.client.retry import Deadline, RetryPolicy, call_with_retries_async
 from specray.v1 import generation_pb2 as pb
 from specray.v1 import generation_pb2_grpc
 
@@ -46,6 +48,7 @@ class AsyncClient:
             client_cert=client_cert, client_key=client_key, server_name=server_name,
             retry=retry, max_message_bytes=max_message_bytes,
         )  # fmt: skip
+        self.generate_retries = 0  # Generate calls retried before their first chunk
         self._channel: grpc.aio.Channel | None = None
 
     def _stubs(self):
@@ -62,7 +65,7 @@ class AsyncClient:
             self._health = health_pb2_grpc.HealthStub(self._channel)
         return self._stub, self._health
 
-    # ---- generation (never retried) -----------------------------------------------------
+    # ---- generation (retried on UNAVAILABLE only before its first chunk) -----------------
     def stream(
         self,
         prompt: str | None = None,
@@ -80,19 +83,35 @@ class AsyncClient:
 
     async def _chunks(self, request, timeout, metadata) -> AsyncIterator[Chunk]:
         stub, _ = self._stubs()
-        call = stub.Generate(request, timeout=timeout, metadata=metadata)
-        try:
-            final_seen = False
-            async for response in call:
-                chunk = Chunk.from_proto(response)
-                final_seen = chunk.completion is not None
-                yield chunk
-            if not final_seen:
-                raise no_final_error()
-        except grpc.RpcError as error:
-            raise SpecrayClientError.from_rpc_error(error) from error
-        finally:
-            call.cancel()  # no-op once the call ended; otherwise the server aborts the request
+        deadline = Deadline(timeout)
+        retry = 0
+        while True:
+            call = stub.Generate(request, timeout=deadline.remaining_s(), metadata=metadata)
+            received = False
+            try:
+                final_seen = False
+                async for response in call:
+                    received = True
+                    chunk = Chunk.from_proto(response)
+                    final_seen = chunk.completion is not None
+                    yield chunk
+                if not final_seen:
+                    raise no_final_error()
+                return
+            except grpc.RpcError as error:
+                # Nothing delivered yet: a retry cannot duplicate output (see retry.py).
+                delay_s = None
+                if not received:
+                    delay_s = self.config.retry.next_delay_s(
+                        retry, error.code(), deadline.remaining_s(), random.random()
+                    )
+                if delay_s is None:
+                    raise SpecrayClientError.from_rpc_error(error) from error
+            finally:
+                call.cancel()  # no-op once the call ended; otherwise the server aborts it
+            self.generate_retries += 1
+            await asyncio.sleep(delay_s)
+            retry += 1
 
     async def generate(
         self,

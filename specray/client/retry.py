@@ -1,9 +1,10 @@
-"""Retries of unary calls (model_info, health, abort) on UNAVAILABLE, with exponential backoff
-and jitter.
+"""Retries on UNAVAILABLE, with exponential backoff and jitter: unary calls (model_info,
+health, abort) always; Generate only until its first chunk arrives.
 
-Generate is never retried: it streams tokens as they are committed, so once a delta has been
-delivered a retry would duplicate output (or, with a new seed, contradict it). A caller that
-wants to retry a failed generation knows whether it consumed anything; the client does not.
+Generate streams tokens as they are committed, so once a delta has been delivered a retry
+would duplicate output (or, with a new seed, contradict it); before that nothing was delivered
+and a retry is safe. (A request whose coordinator fails midway is resumed by the server from
+the tokens it delivered, so the caller sees one stream.)
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class RetryPolicy:
         return delay_s
 
 
-class _Deadline:
+class Deadline:
     def __init__(self, timeout_s: float | None):
         self.end = None if timeout_s is None else time.monotonic() + timeout_s
 
@@ -86,7 +87,7 @@ def call_with_retries(
 ) -> T:
     """``call(timeout_s)`` until it succeeds or fails for good; ``timeout_s`` bounds the whole,
     retries and delays included. Raises :class:`SpecrayClientError`."""
-    deadline = _Deadline(timeout_s)
+    deadline = Deadline(timeout_s)
     retry = 0
     while True:
         remaining_s = deadline.remaining_s()
@@ -108,7 +109,7 @@ async def call_with_retries_async(
     call: Callable[[float | None], Awaitable[T]], policy: RetryPolicy, timeout_s: float | None
 ) -> T:
     """:func:`call_with_retries` for coroutines."""
-    deadline = _Deadline(timeout_s)
+    deadline = Deadline(timeout_s)
     retry = 0
     while True:
         remaining_s = deadline.remaining_s()

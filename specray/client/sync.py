@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
@@ -11,7 +13,7 @@ from specray.client.config import Metadata, config_from_options
 from specray.client.errors import SpecrayClientError, no_final_error
 from specray.client.requests import build_request
 from specray.client.results import Chunk, Completion, ModelInfo
-from specray.client.retry import RetryPolicy, call_with_retries
+from specray.client.retry import Deadline, RetryPolicy, call_with_retries
 from specray.v1 import generation_pb2 as pb
 from specray.v1 import generation_pb2_grpc
 
@@ -51,6 +53,7 @@ class Client:
             client_cert=client_cert, client_key=client_key, server_name=server_name,
             retry=retry, max_message_bytes=max_message_bytes,
         )  # fmt: skip
+        self.generate_retries = 0  # Generate calls retried before their first chunk
         credentials = self.config.credentials()
         options = self.config.channel_options()
         self._channel = (
@@ -61,7 +64,7 @@ class Client:
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    # ---- generation (never retried) -----------------------------------------------------
+    # ---- generation (retried on UNAVAILABLE only before its first chunk) -----------------
     def stream(
         self,
         prompt: str | None = None,
@@ -78,19 +81,36 @@ class Client:
         return self._chunks(request, timeout, self.config.call_metadata(metadata))
 
     def _chunks(self, request, timeout, metadata) -> Iterator[Chunk]:
-        call = self._stub.Generate(request, timeout=timeout, metadata=metadata)
-        try:
-            final_seen = False
-            for response in call:
-                chunk = Chunk.from_proto(response)
-                final_seen = chunk.completion is not None
-                yield chunk
-            if not final_seen:
-                raise no_final_error()
-        except grpc.RpcError as error:
-            raise SpecrayClientError.from_rpc_error(error) from error
-        finally:
-            call.cancel()  # no-op once the call ended; otherwise the server aborts the request
+        deadline = Deadline(timeout)
+        retry = 0
+        while True:
+            call = self._stub.Generate(request, timeout=deadline.remaining_s(), metadata=metadata)
+            received = False
+            try:
+                final_seen = False
+                for response in call:
+                    received = True
+                    chunk = Chunk.from_proto(response)
+                    final_seen = chunk.completion is not None
+                    yield chunk
+                if not final_seen:
+                    raise no_final_error()
+                return
+            except grpc.RpcError as error:
+                # Nothing delivered yet: a retry cannot duplicate output (see retry.py).
+                delay_s = None if received else self._generate_retry_delay(retry, error, deadline)
+                if delay_s is None:
+                    raise SpecrayClientError.from_rpc_error(error) from error
+            finally:
+                call.cancel()  # no-op once the call ended; otherwise the server aborts it
+            self.generate_retries += 1
+            time.sleep(delay_s)
+            retry += 1
+
+    def _generate_retry_delay(self, retry: int, error, deadline) -> float | None:
+        return self.config.retry.next_delay_s(
+            retry, error.code(), deadline.remaining_s(), random.random()
+        )
 
     def generate(
         self,

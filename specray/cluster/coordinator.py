@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from specray.cluster.backends import DraftBackend, TargetBackend
@@ -232,15 +233,20 @@ class Coordinator:
         request_id: str | None = None,
         timeout_s: float | None = None,
         num_speculative_tokens: int | None = None,
+        committed_token_ids: Sequence[int] = (),
     ) -> RequestStream:
         """Admit a request or fail at once: invalid input, queue full, or draining.
 
         ``num_speculative_tokens`` caps this request's k below the group's (0: speculation off
-        for it; None: the group's largest k)."""
+        for it; None: the group's largest k). ``committed_token_ids``: output tokens already
+        committed (a request resumed after a failure): they count toward ``max_tokens``, are
+        not streamed again, and generation continues after them — exact, since each token is
+        drawn from the target conditioned on all before it."""
         params = params or SamplingParams()
         if self._draining:
             raise UnavailableError("the coordinator is draining; retry on another replica")
         self._check_request(prompt_token_ids, params, request_id, timeout_s)
+        committed = self._check_committed(committed_token_ids, params)
         max_k = self.config.num_speculative_tokens
         if num_speculative_tokens is not None:
             k = num_speculative_tokens
@@ -268,6 +274,7 @@ class Coordinator:
             self.vocab_size,
             self.eos_token_ids,
         )
+        state.output_token_ids = committed
         now = self._loop.time()
         request = _Request(
             state=state,
@@ -327,6 +334,21 @@ class Coordinator:
             )
         if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise InvalidRequestError(f"timeout_s must be > 0, got {timeout_s!r}", param="timeout")
+
+    def _check_committed(self, token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        committed = list(token_ids)
+        for token_id in committed:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise InvalidRequestError(f"committed token ids must be integers, got {token_id!r}")
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequestError(
+                    f"committed token id {token_id} is outside the vocabulary"
+                )
+        if len(committed) >= params.max_tokens:
+            raise InvalidRequestError(
+                f"{len(committed)} committed tokens leave nothing of max_tokens={params.max_tokens}"
+            )
+        return committed
 
     @property
     def healthy(self) -> bool:

@@ -31,6 +31,7 @@ from specray.cluster.node_types import NodeType, PlacementAsk, placement_problem
 from specray.ops.processes import pid_alive, session_members, stop_session
 
 NODE_TYPE_LABEL = "specray.io/node-type"
+NODE_NAME_LABEL = "specray.io/node-name"  # head, draft-0, target-0: find a node in Ray's view
 STATE_FILE = "cluster.json"
 NODE_START_TIMEOUT_S = 180.0
 STARTED_MARKER = "Ray runtime started"  # what `ray start` prints once its node is up
@@ -192,7 +193,7 @@ def plan(
             f"--ray-client-server-port={ports.client_server}",
             f"--dashboard-agent-listen-port={ports.agents[0]}",
             f"--temp-dir={temp_dir}",
-            f"--labels={json.dumps({NODE_TYPE_LABEL: 'head'})}",
+            f"--labels={_labels('head', 'head')}",
             *common,
         ],
     )
@@ -214,13 +215,17 @@ def plan(
                         f"--address=127.0.0.1:{ports.gcs}",
                         f"--num-cpus={cpus:g}",
                         f"--resources={json.dumps({resource: units})}",
-                        f"--labels={json.dumps({NODE_TYPE_LABEL: kind})}",
+                        f"--labels={_labels(kind, f'{kind}-{index}')}",
                         f"--dashboard-agent-listen-port={next(agent_ports)}",
                         *common,
                     ],
                 )
             )
     return launches
+
+
+def _labels(kind: str, name: str) -> str:
+    return json.dumps({NODE_TYPE_LABEL: kind, NODE_NAME_LABEL: name})
 
 
 def up(

@@ -21,10 +21,18 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import replace
 
 from ray import serve
 
-from specray.errors import InvalidRequestError, SpecrayError, error_from_dict, error_to_dict
+from specray.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    SpecrayError,
+    UnavailableError,
+    error_from_dict,
+    error_to_dict,
+)
 from specray.serve.config import AppArgs
 from specray.serve.protocol import GenerateRequest
 from specray.serve.registry import get_registry
@@ -84,10 +92,12 @@ class TargetWorkerDeployment:
         return {"group_id": self.group_id, "address": self.group.address}
 
     async def __del__(self):
-        self._heartbeat.cancel()
+        if hasattr(self, "_heartbeat"):  # __init__ may have failed before it
+            self._heartbeat.cancel()
         with contextlib.suppress(Exception):
             await self.registry.remove_target.remote(self.group_id)
-        await _in_thread(self.group.stop)
+        if hasattr(self, "group"):
+            await _in_thread(self.group.stop)
 
 
 # ---- the draft pool --------------------------------------------------------------------
@@ -228,6 +238,7 @@ class CoordinatorDeployment:
         self.drafts = PoolDraftBackend() if self.args.draft else None
         if self.drafts is not None:
             self.drafts.update(await self.registry.drafts_of.remote(self.group_id))
+        await self._release_orphans(group["leader"])
         self.coordinator = Coordinator(
             RayTargetBackend(group["leader"]),
             self.drafts,
@@ -249,6 +260,20 @@ class CoordinatorDeployment:
         )
         self._busy = (time.monotonic(), 0.0)  # (when, target compute seconds) last reported
         self._heartbeat = asyncio.create_task(self._renew())
+
+    async def _release_orphans(self, leader) -> None:
+        """Free what a previous coordinator of this group left on its workers: it died with
+        requests in flight (their callers resume here), nothing else would release them, and
+        this coordinator holds none yet."""
+        handles = [leader, *(await self.registry.drafts_of.remote(self.group_id)).values()]
+        for handle in handles:
+            try:
+                held = await asyncio.wait_for(handle.held_requests.remote(), timeout=20)
+                if held:
+                    log.warning("releasing %d requests a previous coordinator left", len(held))
+                    await handle.release.remote(held)
+            except Exception as error:  # a dead worker holds nothing anyone can free
+                log.warning("could not check a worker for orphaned requests: %s", error)
 
     async def _renew(self) -> None:
         """Keep the group's claim and follow its draft pool as the autoscaler changes it."""
@@ -313,6 +338,23 @@ class CoordinatorDeployment:
 
 
 # ---- the front door --------------------------------------------------------------------
+RESUME_WINDOW_S = 120.0  # how long a failed request keeps trying to resume (no progress)
+RESUME_BACKOFF_S = 0.25  # first wait before resuming; doubles, capped at 5 s
+
+
+class _Resumable(Exception):
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _replica_failures() -> tuple[type[BaseException], ...]:
+    """What a dead or unreachable coordinator replica raises through a Serve handle."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
 class ServeBackend:
     """A :class:`specray.serve.protocol.GenerationBackend` over the Coordinator deployment."""
 
@@ -321,25 +363,70 @@ class ServeBackend:
         self.registry = registry  # several coordinators: their metrics, merged
         self._info: dict | None = None
         self._live: dict[str, object] = {}  # request id -> its response stream (for Abort)
+        self.resumes = 0  # requests resumed after a coordinator or target failure
 
     async def generate(self, request: GenerateRequest):
-        stream = self.handle.options(stream=True).generate.remote(request.to_dict())
-        if request.request_id is not None:
-            self._live[request.request_id] = stream
-        finished = False
-        try:
-            async for event in stream:
-                if event["kind"] == "error":
-                    finished = True
-                    raise error_from_dict(event["error"])
-                if event["kind"] == "final":
-                    finished = True
-                yield event
-        finally:
+        """The request's events; if its coordinator or target group fails midway, it resumes
+        on a (restarted) coordinator from the tokens already delivered, for up to
+        ``RESUME_WINDOW_S`` — the caller sees one uninterrupted stream."""
+        loop = asyncio.get_running_loop()
+        deadline = None if request.timeout_s is None else loop.time() + request.timeout_s
+        emitted: list[int] = []  # token ids the caller has
+        delivered = 0  # characters of text the caller has
+        failed_since = None
+        attempt = request
+        while True:
+            stream = self.handle.options(stream=True).generate.remote(attempt.to_dict())
             if request.request_id is not None:
-                self._live.pop(request.request_id, None)
-            if not finished:
-                stream.cancel()  # the coordinator's generator ends and aborts the request
+                self._live[request.request_id] = stream
+            finished, offset = False, 0  # offset: where this stream's text starts
+            try:
+                async for event in stream:
+                    kind = event["kind"]
+                    if kind == "resumed":
+                        offset = event["text_offset"]
+                        continue
+                    if kind == "error":
+                        error = error_from_dict(event["error"])
+                        if isinstance(error, UnavailableError):  # draining, target failed
+                            raise _Resumable(error)
+                        finished = True
+                        raise error
+                    if kind == "delta":
+                        emitted += event["token_ids"]
+                        piece, start = event["text"], offset
+                        offset += len(piece)
+                        piece = piece[max(delivered - start, 0) :]
+                        delivered = max(delivered, offset)
+                        event = {**event, "text": piece}
+                    elif kind == "final":
+                        finished = True
+                    yield event
+                    failed_since = None  # progress: a later failure gets a full window
+                    if finished:
+                        return
+                raise _Resumable(UnavailableError("the coordinator's stream ended early"))
+            except (_Resumable, *_replica_failures()) as failure:
+                cause = failure.error if isinstance(failure, _Resumable) else failure
+                now = loop.time()
+                failed_since = failed_since or now
+                if now - failed_since > RESUME_WINDOW_S:
+                    raise UnavailableError(
+                        f"the request failed and could not resume within {RESUME_WINDOW_S:.0f} s: "
+                        f"{cause}"
+                    ) from None
+                if deadline is not None and now >= deadline:
+                    raise DeadlineExceededError("the deadline passed while resuming") from None
+                self.resumes += 1
+                log.warning("resuming a request after %d tokens: %s", len(emitted), cause)
+                await asyncio.sleep(min(RESUME_BACKOFF_S * 2 ** min(self.resumes, 4), 5.0))
+                timeout = None if deadline is None else max(deadline - loop.time(), 0.001)
+                attempt = replace(request, resume_token_ids=tuple(emitted), timeout_s=timeout)
+            finally:
+                if request.request_id is not None:
+                    self._live.pop(request.request_id, None)
+                if not finished:
+                    stream.cancel()  # the coordinator's generator ends and aborts the request
 
     async def abort(self, request_id: str) -> bool:
         stream = self._live.get(request_id)
@@ -361,14 +448,24 @@ class ServeBackend:
 
     async def metrics_text(self) -> bytes:
         """One coordinator: its registry, live. Several: each one's latest exposition (at
-        most a heartbeat old), merged with a ``replica`` label."""
+        most a heartbeat old), merged with a ``replica`` label. Then this ingress's own."""
+        text = None
         if self.registry is not None:
             snapshots = await self.registry.all_metrics.remote()
             if len(snapshots) > 1:
                 from specray.cluster.metrics import merge_expositions
 
-                return merge_expositions(snapshots)
-        return await self.handle.metrics_text.remote()
+                text = merge_expositions(snapshots)
+        if text is None:
+            text = await self.handle.metrics_text.remote()
+        return text + self._own_metrics()
+
+    def _own_metrics(self) -> bytes:
+        name = "specray:ingress_request_resumes_total"
+        return (
+            f"# HELP {name} Requests resumed after their coordinator or target group failed.\n"
+            f"# TYPE {name} counter\n{name} {self.resumes}\n"
+        ).encode()
 
 
 class IngressDeployment:

@@ -44,6 +44,9 @@ class GenerateRequest:
     num_speculative_tokens: int | None = None  # this request's largest k; 0 = speculation off
     request_id: str | None = None
     timeout_s: float | None = None  # the deadline, from now
+    # Output tokens already committed and delivered to the caller: the ingress resumes a request
+    # whose coordinator or target group failed from them (internal; no public API sets it).
+    resume_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         given = [
@@ -106,6 +109,12 @@ class GenerateRequest:
             )
         if not isinstance(self.params, Mapping):
             raise InvalidRequestError(f"params must be a mapping, got {self.params!r}")
+        resume = self.resume_token_ids
+        if isinstance(resume, (str, bytes)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in resume
+        ):
+            raise InvalidRequestError(f"resume token ids must be integers >= 0, got {resume!r}")
+        object.__setattr__(self, "resume_token_ids", tuple(resume))
 
     def to_dict(self) -> dict:
         """Plain values only (crosses Ray without pickling specray classes)."""
@@ -120,12 +129,13 @@ class GenerateRequest:
             "num_speculative_tokens": self.num_speculative_tokens,
             "request_id": self.request_id,
             "timeout_s": self.timeout_s,
+            "resume_token_ids": list(self.resume_token_ids),
         }
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> GenerateRequest:
         values = dict(values)
-        for name in ("prompt_token_ids", "messages", "stop"):
+        for name in ("prompt_token_ids", "messages", "stop", "resume_token_ids"):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
         return cls(**values)

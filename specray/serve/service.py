@@ -101,9 +101,15 @@ class CoordinatorService:
             request_id=request.request_id,
             timeout_s=request.timeout_s,
             num_speculative_tokens=request.num_speculative_tokens,
+            committed_token_ids=request.resume_token_ids,
         )
         request_id = stream.request_id
         text = TextStream(self.tokenizer, request.stop)
+        if request.resume_token_ids:
+            # A resumed request: the caller has (most of) these tokens' text already; it is
+            # told where this stream's text starts, so it sends on exactly what is new.
+            primed = text.push(list(request.resume_token_ids))
+            yield {"kind": "resumed", "text_offset": len(primed)}
         finished = False
         try:
             async for first in stream:

@@ -118,7 +118,9 @@ def exact_sequence_probs(
     return out
 
 
-def save_tiny_chat_pair(folder, *, seed: int = 0, max_positions: int = 256) -> tuple[str, str]:
+def save_tiny_chat_pair(
+    folder, *, seed: int = 0, max_positions: int = 256, num_key_value_heads: int = 1
+) -> tuple[str, str]:
     """A tiny random target over the bundled model's tokenizer (49,152 tokens, chat template)
     and a perturbed draft, saved with that tokenizer: text and chat prompts work end to end in
     milliseconds per token. Returns ``(target_dir, draft_dir)``."""
@@ -134,7 +136,7 @@ def save_tiny_chat_pair(folder, *, seed: int = 0, max_positions: int = 256) -> t
         hidden_size=32,
         intermediate_size=64,
         num_attention_heads=2,
-        num_key_value_heads=1,
+        num_key_value_heads=num_key_value_heads,  # 2: shardable at TP 2
         eos_token_id=tokenizer.eos_token_id,
     )
     target.config.max_position_embeddings = max_positions

@@ -105,26 +105,38 @@ def test_other_codes_are_not_retried(flaky):
     assert servicer.calls["Abort"] == 1
 
 
-@pytest.mark.parametrize("delta_first", [False, True])
-def test_generate_is_never_retried(flaky, delta_first):
-    servicer = FlakyServicer(failures=0, delta_first=delta_first)
+def test_generate_is_retried_only_before_its_first_chunk(flaky):
+    # UNAVAILABLE at once: nothing was delivered, so the call is retried (5 retries allowed).
+    servicer = FlakyServicer(failures=0)
+    target = flaky(servicer)
+    with Client(target, retry=FAST, max_retries=5) as client:
+        with pytest.raises(SpecrayClientError) as caught:
+            client.generate(prompt="hi")
+        assert client.generate_retries == 5
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert servicer.calls["Generate"] == 6
+
+    # UNAVAILABLE after a delta: a retry could duplicate output, so none.
+    servicer = FlakyServicer(failures=0, delta_first=True)
     target = flaky(servicer)
     with Client(target, retry=FAST, max_retries=5) as client:
         chunks = []
-        with pytest.raises(SpecrayClientError) as caught:
+        with pytest.raises(SpecrayClientError):
             for chunk in client.stream(prompt="hi"):
                 chunks.append(chunk)
-    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
-    assert len(chunks) == int(delta_first)
-    assert servicer.calls["Generate"] == 1
+        assert client.generate_retries == 0
+    assert len(chunks) == 1 and servicer.calls["Generate"] == 1
 
-    async def generate():
-        async with AsyncClient(target, retry=FAST, max_retries=5) as client:
-            await client.generate(prompt="hi")
+    async def generate(delta_first: bool) -> int:
+        async with AsyncClient(
+            flaky(FlakyServicer(0, delta_first=delta_first)), retry=FAST, max_retries=2
+        ) as client:
+            with pytest.raises(SpecrayClientError):
+                await client.generate(prompt="hi")
+            return client.generate_retries
 
-    with pytest.raises(SpecrayClientError):
-        asyncio.run(generate())
-    assert servicer.calls["Generate"] == 2  # one more call, no retries
+    assert asyncio.run(generate(False)) == 2
+    assert asyncio.run(generate(True)) == 0
 
 
 def test_the_timeout_bounds_retries_and_their_delays(flaky):
