@@ -189,6 +189,11 @@ class DraftWorker:
 
     def _sync_state(self, item: dict) -> RequestState:
         state = self.requests.get(item["request_id"])
+        if state is not None and "prompt_token_ids" in item:
+            # First contact again (the coordinator gave up on this worker once, and came
+            # back): what is held here is stale; start over from the item.
+            self._forget([item["request_id"]])
+            state = None
         if state is None:
             if "prompt_token_ids" not in item:
                 raise ValueError(f"draft worker has no state for request {item['request_id']}")
@@ -284,12 +289,15 @@ class DraftWorker:
 
     def release(self, request_ids: list[str]) -> None:
         with self._lock:
-            self.drafter.release(request_ids)
-            for request_id in request_ids:
-                self.requests.pop(request_id, None)
-                self.speculated.pop(request_id, None)
-                self._spec_base.pop(request_id, None)
-                self._verdict_step.pop(request_id, None)
+            self._forget(request_ids)
+
+    def _forget(self, request_ids: list[str]) -> None:
+        self.drafter.release(request_ids)
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+            self.speculated.pop(request_id, None)
+            self._spec_base.pop(request_id, None)
+            self._verdict_step.pop(request_id, None)
 
     def held_requests(self) -> list[str]:
         return sorted(self.requests)

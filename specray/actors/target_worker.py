@@ -50,6 +50,7 @@ class TargetWorker:
         world_size: int,
         init_method: str,
         num_threads: int = 1,
+        verifier_host: str | None = None,  # where drafts connect; None: this node's address
     ):
         torch.set_num_threads(num_threads)
         self.rank, self.world_size = rank, world_size
@@ -68,10 +69,11 @@ class TargetWorker:
             self.core = TargetCore(runner)
             self.requests: dict[str, RequestState] = {}
             self.inbox = BlockInbox()
-            self._server, port_address = start_server(
-                VerifierServicer(self.inbox, self.vocab_size), host="0.0.0.0"
+            # Plaintext and unauthenticated (an internal port): bound to the cluster network
+            # address only, never to every interface.
+            self._server, self.address = start_server(
+                VerifierServicer(self.inbox, self.vocab_size), host=verifier_host or node_ip()
             )
-            self.address = f"{node_ip()}:{port_address.rsplit(':', 1)[1]}"
 
     @ray.method(concurrency_group="control")
     def info(self) -> dict:

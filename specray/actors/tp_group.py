@@ -19,6 +19,11 @@ import torch.distributed as dist
 from specray.models.runner import ModelRunner
 
 MAX_COMMAND_BYTES = 64 * 1024 * 1024  # a forward command carries token ids only
+# Explicit msgpack limits on a decoded command (DESIGN.md section 6); a command over them is
+# refused whole. Strings are op names and sequence ids (request ids, at most 128 characters).
+MAX_COMMAND_STR_CHARS = 1024
+MAX_COMMAND_ARRAY_LEN = 1 << 22  # token ids fed to one sequence, ops, removed ids
+MAX_COMMAND_MAP_LEN = 1 << 16  # sequences in one forward
 
 
 def _broadcast_bytes(payload: bytes | None) -> bytes:
@@ -34,6 +39,27 @@ def _broadcast_bytes(payload: bytes | None) -> bytes:
         buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     dist.broadcast(buffer, src=0)
     return buffer.numpy().tobytes()
+
+
+def decode_command(payload: bytes) -> dict:
+    """A leader's command from its msgpack bytes: no binary or extension types, string keys,
+    every length bounded; ValueError (msgpack's) when the payload exceeds a limit."""
+    if len(payload) > MAX_COMMAND_BYTES:
+        raise ValueError(f"TP command of {len(payload)} bytes exceeds {MAX_COMMAND_BYTES}")
+    command = msgpack.unpackb(
+        payload,
+        raw=False,
+        use_list=True,
+        strict_map_key=True,
+        max_str_len=MAX_COMMAND_STR_CHARS,
+        max_bin_len=0,
+        max_ext_len=0,
+        max_array_len=MAX_COMMAND_ARRAY_LEN,
+        max_map_len=MAX_COMMAND_MAP_LEN,
+    )
+    if not isinstance(command, dict):
+        raise ValueError(f"a TP command must be a map, got {type(command).__name__}")
+    return command
 
 
 def _apply_ops(runner: ModelRunner, ops: list) -> None:
@@ -89,7 +115,7 @@ def follow(runner: ModelRunner) -> int:
     """A follower's loop: mirror the leader's commands until it stops. Returns forwards run."""
     forwards = 0
     while True:
-        command = msgpack.unpackb(_broadcast_bytes(None), use_list=True)
+        command = decode_command(_broadcast_bytes(None))
         _apply_ops(runner, command["ops"])
         if command["op"] == "stop":
             return forwards

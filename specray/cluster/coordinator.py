@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import logging
 import math
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -54,6 +55,7 @@ from specray.errors import (
     UnavailableError,
 )
 from specray.outputs import RequestOutput
+from specray.rpc.messages import MAX_REQUEST_ID_CHARS
 from specray.sampling import MAX_SPEC_LEN, SamplingParams
 from specray.sampling.rng import random_seed
 
@@ -188,6 +190,8 @@ class Coordinator:
         # Incremented when a worker is replaced: failures of calls to an older one are ignored.
         # Keyed by worker index: a pool may grow while serving (autoscaling).
         self._draft_generation: collections.defaultdict[int, int] = collections.defaultdict(int)
+        # Requests a draft worker may still hold after it failed a call (worker -> ids).
+        self._stale_drafts: collections.defaultdict[int, set[str]] = collections.defaultdict(set)
         self._rounds_off = [0] * config.num_micro_batches  # rounds in a row without drafts
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -274,7 +278,7 @@ class Coordinator:
             self.vocab_size,
             self.eos_token_ids,
         )
-        state.output_token_ids = committed
+        state.commit(committed)  # a resumed request: what it had already committed
         now = self._loop.time()
         request = _Request(
             state=state,
@@ -285,6 +289,9 @@ class Coordinator:
             max_k=max_k,
         )
         self._requests[request_id] = request
+        if state.finish_reason is not None:  # resumed after its last token: only the end left
+            self._end(request, None)
+            return request.stream
         self._waiting.append(request)
         self.metrics.labels(self.metrics.prompt_tokens).inc(len(prompt_token_ids))
         self._update_gauges()
@@ -324,9 +331,14 @@ class Coordinator:
                 f"exceeds the model's {self.max_positions} positions",
                 param="max_tokens",
             )
-        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        # Bounded: it is a sequence id in draft blocks and in the TP group's msgpack commands.
+        if request_id is not None and (
+            not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS
+        ):
             raise InvalidRequestError(
-                f"request_id must be a non-empty string, got {request_id!r}", param="request_id"
+                f"request_id must be a string of 1..{MAX_REQUEST_ID_CHARS} characters, got "
+                f"{reprlib.repr(request_id)}",
+                param="request_id",
             )
         if request_id in self._requests:
             raise InvalidRequestError(
@@ -344,9 +356,9 @@ class Coordinator:
                 raise InvalidRequestError(
                     f"committed token id {token_id} is outside the vocabulary"
                 )
-        if len(committed) >= params.max_tokens:
+        if len(committed) > params.max_tokens:
             raise InvalidRequestError(
-                f"{len(committed)} committed tokens leave nothing of max_tokens={params.max_tokens}"
+                f"{len(committed)} committed tokens exceed max_tokens={params.max_tokens}"
             )
         return committed
 
@@ -516,6 +528,27 @@ class Coordinator:
                     await self.drafts.release(worker, ids)
                 except Exception as error:  # a dead worker holds nothing; it is being replaced
                     log.warning("draft worker %d release failed: %s", worker, error)
+        await self._release_stale_drafts()
+
+    async def _release_stale_drafts(self) -> None:
+        """Free state a draft worker kept after it failed a call and came back (only for
+        requests not assigned to it again: those it prefills anew)."""
+        for worker, stale in list(self._stale_drafts.items()):
+            if not stale or not self.drafts.available(worker):
+                continue
+            ids = [
+                request_id
+                for request_id in stale
+                if (request := self._requests.get(request_id)) is None
+                or request.draft_worker != worker
+            ]
+            if not ids:
+                continue
+            try:
+                await self.drafts.release(worker, ids)
+                stale.difference_update(ids)
+            except Exception as error:
+                log.warning("draft worker %d: stale release failed: %s", worker, error)
 
     def _cap(self, request: _Request) -> int:
         """The largest k this request can take this round (0: it cannot speculate)."""
@@ -734,6 +767,8 @@ class Coordinator:
         for request in self._requests.values():
             if request.draft_worker == worker:
                 request.draft_known, request.draft_ready = None, False  # the new one knows none
+                # If the worker was only slow it comes back holding this state: freed then.
+                self._stale_drafts[worker].add(request.state.request_id)
         replacement = asyncio.ensure_future(self.drafts.replace(worker))
         self._background.add(replacement)
         replacement.add_done_callback(self._background.discard)

@@ -21,7 +21,7 @@ class InProcessTarget:
     def __init__(self, target: str, *, num_threads: int = 1):
         from specray.actors.target_worker import TargetWorker
 
-        self.worker = TargetWorker(target, 0, 1, "", num_threads)
+        self.worker = TargetWorker(target, 0, 1, "", num_threads, verifier_host="127.0.0.1")
         self.address = self.worker.address
         self._ordered = ThreadPoolExecutor(1, thread_name_prefix="target")
         self._control = ThreadPoolExecutor(2, thread_name_prefix="target-control")

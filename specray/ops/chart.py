@@ -382,6 +382,11 @@ def _deploy_config_differences(config: Mapping, app: Mapping, args) -> list[str]
     from specray.serve.launch import deploy_config
 
     expected = deploy_config(args, http_host="0.0.0.0", http_port=HTTP_PORT)
+    # The chart keeps Serve's proxy on plain HTTP inside the pod: KubeRay's readiness probe
+    # calls http://localhost:8000/-/healthz. HTTPS ends at the Ingress / Gateway in front.
+    expected["http_options"] = {
+        key: value for key, value in expected["http_options"].items() if not key.startswith("ssl_")
+    }
     wanted_app = expected["applications"][0]
     problems = [
         f"{key} is {config.get(key)!r}, deploy_config has {expected[key]!r}"
@@ -451,9 +456,16 @@ def _wiring_problems(rayservice: Mapping, service: Mapping, args) -> list[str]:
             f"head container port 'grpc' is {head_ports.get('grpc')}, "
             f"args.grpc_port is {args.grpc_port}"
         )
+    client_ports = {name for name in ("serve", "grpc") if name in head_ports}
+    client_ports |= {head_ports[name] for name in client_ports}
     for port in service["spec"].get("ports", []):
         if port.get("targetPort") not in {*head_ports, *head_ports.values()}:
             problems.append(f"Service port {port.get('name')!r}: no such head container port")
+        elif port.get("targetPort") not in client_ports:
+            problems.append(
+                f"Service port {port.get('name')!r} targets {port.get('targetPort')!r}: only the "
+                "serve (HTTP) and grpc ports face clients; Ray's stay internal"
+            )
         if port.get("name") == "grpc" and port.get("port") != args.grpc_port:
             problems.append(
                 f"Service port 'grpc' is {port.get('port')}, args.grpc_port {args.grpc_port}"

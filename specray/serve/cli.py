@@ -69,7 +69,7 @@ def load_app_config(args: argparse.Namespace) -> dict:
     import yaml
 
     from specray.serve.config import AppArgs
-    from specray.serve.launch import deploy_config
+    from specray.serve.launch import deploy_config, http_options
 
     loaded: dict = {}
     if args.config is not None:
@@ -89,8 +89,10 @@ def load_app_config(args: argparse.Namespace) -> dict:
     if "applications" in loaded:
         application = loaded["applications"][0]
         application["args"] = {**application.get("args", {}), **overrides}
-        AppArgs(**application["args"])  # fail here, with pydantic's message, not in a replica
-        loaded.setdefault("http_options", {"host": args.http_host, "port": args.http_port})
+        app_args = AppArgs(**application["args"])  # fail here, not in a replica
+        loaded.setdefault(
+            "http_options", http_options(app_args, host=args.http_host, port=args.http_port)
+        )
         return loaded
     app_args = AppArgs(**{**loaded, **overrides})
     return deploy_config(app_args, http_host=args.http_host, http_port=args.http_port)
@@ -114,6 +116,9 @@ def run_serve(args: argparse.Namespace) -> int:
         target_resource=application["args"].get("target_resource", "target"),
     )
     say = lambda line: print(f"specray: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    if application["args"].get("tls_client_ca"):
+        say("mTLS (tls_client_ca) is enforced on the gRPC API only: Serve's HTTP proxy cannot "
+            "require client certificates, so keep a bearer token on")  # fmt: skip
     say("starting Ray" if args.address is None else f"joining Ray at {args.address}")
     connect(args.address or "auto", placement)
     stopping = threading.Event()

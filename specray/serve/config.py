@@ -51,9 +51,9 @@ class AppArgs(BaseModel):
     # Or the name of an environment variable that holds it, read where the Ingress runs: the
     # token then stays out of the Serve config (and a RayService spec, and the dashboard).
     auth_token_env: str | None = None
-    tls_cert: str | None = None  # PEM files: server certificate and key (TLS on gRPC)
+    tls_cert: str | None = None  # PEM files: server certificate and key (TLS on both APIs)
     tls_key: str | None = None
-    tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
+    tls_client_ca: str | None = None  # gRPC: require client certificates signed by it (mTLS)
     num_ingress_replicas: int = Field(1, ge=1)
     # Pin the Ingress (and so the gRPC API) to the head node, next to Serve's HTTP proxy
     # (proxy_location HeadOnly): on a cluster both APIs are then at the head's address.

@@ -296,12 +296,18 @@ class CoordinatorDeployment:
         """Events of one request; errors travel as ``{"kind": "error"}`` events (plain values
         rather than exceptions across Ray)."""
         try:
-            async for event in self.service.generate(GenerateRequest.from_dict(request)):
+            try:
+                generate_request = GenerateRequest.from_dict(request)
+            except SpecrayError:
+                raise  # invalid input, named by GenerateRequest's own checks
+            except (TypeError, ValueError) as error:  # a malformed request record
+                raise InvalidRequestError(str(error)) from None
+            async for event in self.service.generate(generate_request):
                 yield event
         except SpecrayError as error:
             yield {"kind": "error", "error": error_to_dict(error)}
-        except (TypeError, ValueError) as error:  # a malformed request record
-            yield {"kind": "error", "error": error_to_dict(InvalidRequestError(str(error)))}
+        # Anything else is a bug: it reaches the ingress as Ray's error, logged there and
+        # answered as a generic internal error (its message never reaches a client).
 
     async def abort(self, request_id: str) -> bool:
         return await self.service.abort(request_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -288,6 +289,54 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return _rejecting_handler(handler, reason)
 
 
+_MALFORMED = object()  # what a request deserializer returns for bytes it cannot parse
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Bytes that do not parse as a unary method's request get INVALID_ARGUMENT naming the
+    method, not gRPC's default UNKNOWN that quotes protobuf's exception class and text."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, handler_call_details.method
+        message = f"the request is not a valid {method} request message"
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except Exception:  # protobuf's DecodeError
+                return _MALFORMED
+
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        if inspect.isasyncgenfunction(behavior):  # a streaming method that yields
+
+            async def checked(request, context):
+                if request is _MALFORMED:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+                async for response in behavior(request, context):
+                    yield response
+
+        else:  # a unary method, or a streaming one that calls context.write
+
+            async def checked(request, context):
+                if request is _MALFORMED:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+                return await behavior(request, context)
+
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.response_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        return make(
+            checked,
+            request_deserializer=deserialize,
+            response_serializer=handler.response_serializer,
+        )
+
+
 @dataclass(frozen=True)
 class TLSConfig:
     """Server TLS: certificate chain and key; with ``client_ca``, mutual TLS (clients must
@@ -348,7 +397,9 @@ async def start_grpc_server(
         raise ValueError(f"health_interval_s must be > 0, got {health_interval_s!r}")
 
     server = grpc.aio.server(
-        interceptors=[BearerTokenInterceptor(auth_token)] if auth_token is not None else [],
+        # The malformed-bytes check wraps whatever the token check returns (it runs first).
+        interceptors=[MalformedRequestInterceptor()]
+        + ([BearerTokenInterceptor(auth_token)] if auth_token is not None else []),
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),

@@ -17,6 +17,19 @@ APP_NAME = "specray"
 IMPORT_PATH = "specray.serve:build_app"
 
 
+def http_options(args: AppArgs, *, host: str, port: int) -> dict:
+    """Serve's HTTP proxy options: HTTPS with the gRPC API's certificate when there is one.
+
+    ``tls_client_ca`` is left out on purpose: Serve (Ray 2.60) gives uvicorn ``ssl_ca_certs``
+    without ``ssl_cert_reqs``, so its proxy would never ask for a client certificate. mTLS
+    applies to the gRPC API; the HTTP API relies on the bearer token.
+    """
+    options = {"host": host, "port": port}
+    if args.tls_cert is not None:
+        options |= {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
+    return options
+
+
 def deploy_config(
     args: AppArgs, *, app_name: str = APP_NAME, http_host: str = "127.0.0.1", http_port: int = 8000
 ) -> dict:
@@ -36,7 +49,7 @@ def deploy_config(
     application["args"] = args.model_dump(exclude_defaults=True)
     return {
         "proxy_location": "HeadOnly",
-        "http_options": {"host": http_host, "port": http_port},
+        "http_options": http_options(args, host=http_host, port=http_port),
         "applications": [application],
     }
 
@@ -100,7 +113,8 @@ def start(
     host = "127.0.0.1" if http.host in ("0.0.0.0", "::") else http.host
     args = AppArgs(**schema.applications[0].args)
     grpc = f"{host}:{args.grpc_port}" if args.grpc_port is not None else None
-    return Endpoints(http=f"http://{host}:{http.port}", grpc=grpc)
+    scheme = "https" if http.ssl_certfile else "http"
+    return Endpoints(http=f"{scheme}://{host}:{http.port}", grpc=grpc)
 
 
 def stop(app_name: str = APP_NAME) -> None:

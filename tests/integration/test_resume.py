@@ -54,10 +54,17 @@ def test_a_resumed_stream_carries_exactly_the_rest(pair):
                 assert resumed[-1]["token_ids"] == final["token_ids"]
                 assert resumed[-1]["text"] == final["text"]
                 assert resumed[-1]["completion_tokens"] == 24
-            with pytest.raises(InvalidRequestError, match="leave nothing of max_tokens=24"):
+            # Resumed after its last token (the final event was lost): only the end is left.
+            ended = await _events(
+                backend, GenerateRequest(prompt=PROMPT, params=params, resume_token_ids=tokens)
+            )
+            assert [e["kind"] for e in ended] == ["resumed", "final"]
+            assert ended[-1]["token_ids"] == final["token_ids"]
+            assert ended[-1]["finish_reason"] == final["finish_reason"] == "length"
+            with pytest.raises(InvalidRequestError, match="exceed max_tokens=24"):
                 await _events(
                     backend,
-                    GenerateRequest(prompt=PROMPT, params=params, resume_token_ids=tuple(tokens)),
+                    GenerateRequest(prompt=PROMPT, params=params, resume_token_ids=[*tokens, 1]),
                 )
             with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
                 await _events(
