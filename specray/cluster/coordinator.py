@@ -124,6 +124,7 @@ class _Request:
     target_knows: bool = False
     draft_known: int | None = None  # committed tokens the draft worker has seen (None: unseen)
     draft_ready: bool = False  # the draft worker holds its state (prefill done)
+    draft_prefill: asyncio.Future | None = None  # the prefill call in flight, if any
     step: int = 0
     cancelled: bool = False
     first_token_s: float | None = None
@@ -411,6 +412,8 @@ class Coordinator:
             if not batch:
                 if self._draining and not self._waiting:
                     return
+                if self.drafts is not None:
+                    await self._release_stale_drafts()  # idle: nothing else would free them
                 await self._wait_for_work(index)
                 continue
             try:
@@ -518,17 +521,36 @@ class Coordinator:
         if self.drafts is None:
             return
         for worker in range(self.drafts.num_workers):
-            ids = [
-                r.state.request_id
-                for r in requests
-                if r.draft_worker == worker and r.draft_known is not None
-            ]
+            ids = []
+            for r in requests:
+                if r.draft_worker != worker or r.draft_known is None:
+                    continue
+                if r.draft_prefill is not None and not r.draft_prefill.done():
+                    # Released now, the prefill arriving after would leave state behind.
+                    r.draft_prefill.add_done_callback(
+                        lambda _, w=worker, rid=r.state.request_id: self._release_later(w, rid)
+                    )
+                else:
+                    ids.append(r.state.request_id)
             if ids and self.drafts.available(worker):
                 try:
                     await self.drafts.release(worker, ids)
                 except Exception as error:  # a dead worker holds nothing; it is being replaced
                     log.warning("draft worker %d release failed: %s", worker, error)
         await self._release_stale_drafts()
+
+    def _release_later(self, worker: int, request_id: str) -> None:
+        task = asyncio.ensure_future(self._release_one(worker, request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release_one(self, worker: int, request_id: str) -> None:
+        if not self.drafts.available(worker):
+            return  # a worker gone holds nothing
+        try:
+            await self.drafts.release(worker, [request_id])
+        except Exception as error:
+            log.warning("draft worker %d release failed: %s", worker, error)
 
     async def _release_stale_drafts(self) -> None:
         """Free state a draft worker kept after it failed a call and came back (only for
@@ -705,6 +727,8 @@ class Coordinator:
             generation = self._draft_generation[worker]
             items = [self._draft_item(request, 0) for request in new]
             future = asyncio.ensure_future(self.drafts.prefill(worker, items))
+            for request in new:
+                request.draft_prefill = future
             self._background.add(future)
             future.add_done_callback(self._background.discard)
             future.add_done_callback(
