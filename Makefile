@@ -25,7 +25,7 @@ test: $(STAMP)
 # The full chaos run (every fault kind, a soak) after a long fuzzing pass; prints the table.
 chaos: $(STAMP)
 	rm -f .chaos-fuzz.jsonl
-	SPECRAY_FUZZ_EXAMPLES=2000 SPECRAY_FUZZ_REPORT=.chaos-fuzz.jsonl $(PY) -m pytest -q tests/fuzz
+	SPECRAY_FUZZ_EXAMPLES=500 SPECRAY_FUZZ_REPORT=.chaos-fuzz.jsonl $(PY) -m pytest -q tests/fuzz
 	$(PY) -m tests.chaos.run --profile full --fuzz-report .chaos-fuzz.jsonl --json chaos-report.json
 
 bench: $(STAMP)

@@ -259,18 +259,22 @@ class Load:
 
 # ---- faults -----------------------------------------------------------------------------
 def _actors(class_name: str) -> list:
+    """Live actors of a class, on live nodes (an actor on a stopped node may still be listed
+    ALIVE until the GCS notices)."""
+    import ray
     from ray.util.state import list_actors
 
+    live_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     actors = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10_000)
-    return [a for a in actors if a.class_name == class_name]
+    return [a for a in actors if a.class_name == class_name and a.node_id in live_nodes]
 
 
 def _kill_pid(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def inject(fault: Fault, state) -> str:
-    """Apply ``fault``; a line saying what was hit."""
+def inject(fault: Fault, state) -> tuple[str, tuple[str, int] | None]:
+    """Apply ``fault``: a line saying what was hit, and the (actor class, pid) killed."""
     import ray
 
     from specray.ops.processes import stop_session
@@ -279,7 +283,7 @@ def inject(fault: Fault, state) -> str:
     if fault.kind == "kill_draft_worker":
         actor = random.choice(_actors("DraftWorker"))
         _kill_pid(actor.pid)
-        return f"SIGKILL draft worker pid {actor.pid}"
+        return f"SIGKILL draft worker pid {actor.pid}", ("DraftWorker", actor.pid)
     if fault.kind == "kill_target_rank":
         leader_ids = {
             handle._actor_id.hex()
@@ -289,11 +293,15 @@ def inject(fault: Fault, state) -> str:
         followers = [a for a in ranks if a.actor_id not in leader_ids] or ranks
         actor = followers[0]
         _kill_pid(actor.pid)
-        return f"SIGKILL TP rank pid {actor.pid} (of {len(ranks)} ranks)"
+        return f"SIGKILL TP rank pid {actor.pid} (of {len(ranks)} ranks)", (
+            "TargetWorker",
+            actor.pid,
+        )
     if fault.kind == "kill_coordinator":
-        actor = _actors(f"ServeReplica:{APP}:Coordinator")[0]
+        name = f"ServeReplica:{APP}:Coordinator"
+        actor = _actors(name)[0]
         _kill_pid(actor.pid)
-        return f"SIGKILL coordinator replica pid {actor.pid}"
+        return f"SIGKILL coordinator replica pid {actor.pid}", (name, actor.pid)
     if fault.kind == "kill_draft_node":
         hosts = {a.node_id for a in _actors("DraftWorker")}
         from specray.ops.local import NODE_NAME_LABEL
@@ -306,15 +314,17 @@ def inject(fault: Fault, state) -> str:
         victims = [names[h] for h in hosts if names.get(h, "").startswith("draft-")]
         name = sorted(victims)[-1]
         node = next(n for n in state.nodes if n.name == name)
+        victims_pids = [a.pid for a in _actors("DraftWorker") if a.node_id in hosts]
         stopped = stop_session(node.session, grace_s=1.0)
-        return f"stopped node {name} ({stopped.processes} processes)"
+        killed = ("DraftWorker", victims_pids[0]) if victims_pids else None
+        return f"stopped node {name} ({stopped.processes} processes)", killed
     if fault.kind in ("link_delay", "link_drop"):
         delay, drop = (0.5, 0.0) if fault.kind == "link_delay" else (0.0, 0.5)
         drafts = ray.get(get_registry(APP).workers.remote())["drafts"].values()
         for handle in drafts:
             with contextlib.suppress(Exception):  # a draft that died has no link to spoil
                 ray.get(handle.inject_link_faults.remote(delay, drop, seed=1), timeout=10)
-        return f"{fault.kind} on {len(drafts)} draft workers for {fault.hold_s:.0f} s"
+        return f"{fault.kind} on {len(drafts)} draft workers for {fault.hold_s:.0f} s", None
     raise ValueError(f"unknown fault kind {fault.kind!r}")
 
 
@@ -328,9 +338,16 @@ def clear_link_faults() -> None:
             ray.get(handle.inject_link_faults.remote(0.0, 0.0), timeout=10)
 
 
-def full_strength(expected_drafts: int) -> bool:
-    """Every deployment healthy at its size, the draft pool full, one target group."""
+def full_strength(expected_drafts: int, killed: tuple[str, int] | None) -> bool:
+    """Every deployment healthy at its size, the draft pool full, one target group, and the
+    killed actor replaced (Ray no longer lists its pid as alive)."""
     from ray import serve
+
+    if killed is not None:
+        class_name, pid = killed
+        alive = _actors(class_name)
+        if any(a.pid == pid for a in alive) or not alive:
+            return False
 
     app = serve.status().applications.get(APP)
     if app is None or str(getattr(app.status, "value", app.status)) != "RUNNING":
@@ -341,11 +358,13 @@ def full_strength(expected_drafts: int) -> bool:
     return len(_actors("DraftWorker")) >= expected_drafts and len(_actors("TargetWorker")) >= 2
 
 
-def wait_recovered(load: Load, since_s: float, expected_drafts: int, timeout_s: float) -> float:
+def wait_recovered(
+    load: Load, since_s: float, expected_drafts: int, killed, timeout_s: float
+) -> float:
     """Seconds from ``since_s`` until full strength and a request completed after it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if load.completed_since(since_s) and full_strength(expected_drafts):
+        if full_strength(expected_drafts, killed) and load.completed_since(time.monotonic() - 5):
             return time.monotonic() - since_s
         time.sleep(0.5)
     return float("nan")
@@ -414,12 +433,12 @@ def run(profile_name: str, fuzz_report: Path | None) -> dict:
         for fault in profile["faults"]:
             time.sleep(max(start + fault.at_s - time.monotonic(), 0))
             injected_s = time.monotonic()
-            what = inject(fault, state)
+            what, killed = inject(fault, state)
             log(f"t={injected_s - start:.0f}s {what}")
             if fault.hold_s:
                 time.sleep(fault.hold_s)
                 clear_link_faults()
-            recovery = wait_recovered(load, injected_s, expected_drafts=2, timeout_s=180)
+            recovery = wait_recovered(load, injected_s, 2, killed, timeout_s=240)
             log(f"  back to full strength after {recovery:.1f} s")
             report["faults"].append({"kind": fault.kind, "what": what, "recovery_s": recovery})
         time.sleep(profile["tail_s"])
