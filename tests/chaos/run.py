@@ -453,11 +453,15 @@ def run(profile_name: str, fuzz_report: Path | None) -> dict:
     finally:
         ray.shutdown()
         local.down(workdir / "state", say=lambda line: log(line), drain=False)
+    add_fuzz_counts(report, fuzz_report)
+    return report
+
+
+def add_fuzz_counts(report: dict, fuzz_report: Path | None) -> None:
     if fuzz_report is not None and fuzz_report.is_file():
         rows = [json.loads(line) for line in fuzz_report.read_text().splitlines() if line]
         report["fuzz_cases"] = sum(r["cases"] for r in rows)
         report["fuzz_5xx"] = sum(r["5xx"] for r in rows)
-    return report
 
 
 def check(load: Load, expected: dict, exact: dict, wrong: dict) -> dict:
@@ -557,9 +561,14 @@ def main() -> int:
     parser.add_argument("--profile", choices=sorted(PROFILES), default="short")
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--fuzz-report", type=Path, help="fuzzing counts (JSON lines) to add")
+    parser.add_argument("--render", type=Path, help="print the table of an earlier --json report")
     args = parser.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    report = run(args.profile, args.fuzz_report)
+    if args.render is not None:
+        report = json.loads(args.render.read_text())
+        add_fuzz_counts(report, args.fuzz_report)
+    else:
+        report = run(args.profile, args.fuzz_report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))
     print(table(report), flush=True)
