@@ -25,6 +25,9 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # explicit gRPC send/receive limit on both
 MAX_REQUEST_ID_CHARS = 128
 # fp16 keeps ~3 decimal digits: an honest q's row sums stay within this of 1 after encoding.
 ROW_SUM_TOLERANCE = 1e-2
+# The values dtype each encoding implies (sparse top<M> values are float32): decoding other
+# bytes would be a different q than the draft sampled from.
+_VALUES_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class InvalidMessageError(ValueError):
@@ -100,6 +103,12 @@ def check_block(message: pb.DraftBlock, vocab_size: int) -> CheckedBlock:
     if probs.vocab_size != vocab_size:
         raise InvalidMessageError(f"vocab_size must be {vocab_size}, got {probs.vocab_size}")
     values = _tensor_from_pb(probs.values, "draft_probs.values")
+    values_dtype = torch.float32 if encoding.sparse else _VALUES_DTYPES[encoding.name]
+    if values.dtype != values_dtype:
+        raise InvalidMessageError(
+            f"draft_probs.values must be {values_dtype} for encoding {encoding.name!r}, "
+            f"got {values.dtype}"
+        )
     if encoding.sparse:
         expected = (k, min(encoding.top_m, vocab_size))
         ids = _tensor_from_pb(probs.token_ids, "draft_probs.token_ids")

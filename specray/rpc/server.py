@@ -32,8 +32,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 for message in request_iterator:
                     try:
                         block = check_block(message, self.vocab_size)
-                    except InvalidMessageError as error:
-                        if not self._logged_invalid:  # log once; the counter keeps the rest
+                    except Exception as error:
+                        # Per message: a bug in validation must not end the draft's stream
+                        # (the reader thread), only drop this one block.
+                        if not isinstance(error, InvalidMessageError):
+                            log.exception("unexpected error validating a draft block")
+                        elif not self._logged_invalid:  # log once; the counter keeps the rest
                             log.warning("dropping invalid draft block: %s", error)
                             self._logged_invalid = True
                         self.inbox.put_invalid(message.request_id, message.step, str(error))

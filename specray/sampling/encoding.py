@@ -79,6 +79,9 @@ class WireTensor:
         if self.dtype not in _WIRE_DTYPES:
             raise ValueError(f"unknown wire dtype {self.dtype!r}")
         dtype = _WIRE_DTYPES[self.dtype]
+        # Negative dims can multiply to the right byte count ((-1, -V)), then reshape fails.
+        if any(size < 0 for size in self.shape):
+            raise ValueError(f"wire tensor shape must not have negative dims, got {self.shape}")
         count = 1
         for size in self.shape:
             count *= size

@@ -17,6 +17,11 @@ MAX_SEED = 2**63 - 1  # seeds are non-negative 63-bit integers (fit int64 on eve
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on |logit_bias|
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this mean greedy (as in vLLM)
 MAX_PENALTY = 2.0  # presence / frequency penalties live in [-2, 2], as in OpenAI and vLLM
+# Beyond these, float32 logits overflow or lose every difference (logit / temperature,
+# logit * or / repetition_penalty) and the distribution becomes NaN.
+MAX_TEMPERATURE = 1e4
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-4, 1e4
+MAX_BIAS_KEY_DIGITS = 20  # token ids are far shorter; int() refuses > 4300 digits anyway
 
 
 class SamplingParamsError(ValueError):
@@ -33,10 +38,22 @@ def _fail(param: str, message: str) -> None:
 
 def _check_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _fail(name, f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        _fail(name, f"{name} must be finite, got {value!r}")
-    return float(value)
+        _fail(name, f"{name} must be a number, got {_short(value)}")
+    try:
+        number = float(value)  # an int past float's range overflows here, not in the pipeline
+    except OverflowError:
+        _fail(name, f"{name} must be a finite number, got {_short(value)}")
+    if not math.isfinite(number):
+        _fail(name, f"{name} must be finite, got {_short(value)}")
+    return number
+
+
+def _short(value: Any) -> str:
+    """repr, cut short: a 400-digit int must not flood the error (nor hit int's str limit)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**20:
+        return f"an integer of about {value.bit_length() * 0.30103:.0f} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_int(name: str, value: Any) -> int:
@@ -55,6 +72,16 @@ def _token_tuple(name: str, value: Iterable[int] | None) -> tuple[int, ...] | No
         if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
             _fail(name, f"{name} must hold non-negative integer token ids, got {token_id!r}")
     return tuple(sorted(set(ids)))
+
+
+NUMBER_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(frozen=True)
@@ -77,40 +104,57 @@ class SamplingParams:
     seed: int | None = None  # None: the engine picks one and reports it in the output
 
     def __post_init__(self) -> None:
-        temperature = _check_number("temperature", self.temperature)
-        if temperature < 0:
-            _fail("temperature", f"temperature must be >= 0, got {self.temperature!r}")
+        # Numbers are stored back as floats, so the pipeline never sees a huge int.
+        for name in NUMBER_FIELDS:
+            object.__setattr__(self, name, _check_number(name, getattr(self, name)))
+        temperature = self.temperature
+        if not 0 <= temperature <= MAX_TEMPERATURE:
+            _fail(
+                "temperature",
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature!r}",
+            )
         top_k = _check_int("top_k", self.top_k)
         if top_k < 0:
             _fail("top_k", f"top_k must be >= 0 (0 disables it), got {top_k!r}")
-        top_p = _check_number("top_p", self.top_p)
+        top_p = self.top_p
         if not 0 < top_p <= 1:
             _fail("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        min_p = _check_number("min_p", self.min_p)
+        min_p = self.min_p
         if not 0 <= min_p <= 1:
             _fail("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
-        repetition = _check_number("repetition_penalty", self.repetition_penalty)
-        if repetition <= 0:
+        repetition = self.repetition_penalty
+        if not MIN_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY:
             _fail(
                 "repetition_penalty",
-                f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}",
             )
         for name in ("presence_penalty", "frequency_penalty"):
-            value = _check_number(name, getattr(self, name))
+            value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
                 _fail(name, f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if not isinstance(self.logit_bias, Mapping):
             _fail("logit_bias", f"logit_bias must be a mapping, got {self.logit_bias!r}")
         bias: dict[int, float] = {}
         for key, value in self.logit_bias.items():
-            token_id = int(key) if isinstance(key, str) and key.isdigit() else key
+            # isdigit() accepts "²" and int() refuses > 4300 digits: ASCII decimals, capped.
+            if (
+                isinstance(key, str)
+                and key.isascii()
+                and key.isdecimal()
+                and len(key) <= MAX_BIAS_KEY_DIGITS
+            ):
+                token_id = int(key)
+            else:
+                token_id = key
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-                _fail("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+                _fail("logit_bias", f"logit_bias keys must be token ids, got {_short(key)}")
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 _fail("logit_bias", f"logit_bias[{token_id}] must be a number, got {value!r}")
-            if not math.isfinite(value):
-                _fail("logit_bias", f"logit_bias[{token_id}] must be finite, got {value!r}")
-            number = float(value)
+            try:
+                number = _check_number("logit_bias", value)
+            except SamplingParamsError:
+                _fail("logit_bias", f"logit_bias[{token_id}] must be finite, got {_short(value)}")
             if abs(number) > MAX_LOGIT_BIAS:
                 _fail(
                     "logit_bias",
@@ -174,6 +218,9 @@ class SamplingParams:
                         f"{name} holds token id {token_id}, outside the vocabulary "
                         f"[0, {vocab_size})",
                     )
+        # Sorted, unique and in range: banning vocab_size ids bans every token (a NaN row).
+        if len(self.banned_token_ids or ()) >= vocab_size:
+            _fail("banned_token_ids", f"banned_token_ids ban every token of the {vocab_size}")
 
     def with_seed(self, seed: int) -> SamplingParams:
         from dataclasses import replace

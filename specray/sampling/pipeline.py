@@ -139,7 +139,11 @@ class LogitsPipeline:
             sorted_logits, order = torch.sort(out, dim=-1, descending=True)  # [rows, vocab]
             sorted_probs = torch.softmax(sorted_logits, dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [rows, vocab]
-            drop_sorted = mass_before >= params.top_p  # the first token is always kept
+            drop_sorted = mass_before >= params.top_p
+            # Always keep the top token (as vLLM does): a top_p that is 0 in float32 (5e-324)
+            # would otherwise drop every token. mass_before[0] is exactly 0, so valid top_p
+            # values are unaffected.
+            drop_sorted[:, 0] = False
             drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
             out = out.masked_fill(drop, NEG_INF)
         return torch.softmax(out, dim=-1)

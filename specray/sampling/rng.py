@@ -73,6 +73,13 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     """
     cdf = probs.to(torch.float64).cumsum(dim=-1)  # [n, vocab]
     total = cdf[:, -1:]  # [n, 1]
+    # A NaN / inf / all-zero row has no distribution: fail loudly rather than silently pick
+    # the last token (which may be banned or outside allowed_token_ids).
+    if not bool(torch.isfinite(total).all()) or bool((total <= 0).any()):
+        raise ValueError(
+            "sample_from_probs needs finite, non-negative rows with positive mass; got row "
+            f"sums {total.squeeze(-1).tolist()}"
+        )
     targets = uniforms.to(torch.float64).reshape(-1, 1) * total  # [n, 1]
     token_ids = torch.searchsorted(cdf, targets, right=True).squeeze(-1)  # [n]
     # u * total can round up to total: fall back to the last token with positive mass.

@@ -52,13 +52,22 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxie
 INTERNAL_ERROR = SpecrayError("internal server error")  # all a client learns of a bug
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error may quote client text (a field name with a lone
+    surrogate), and an error body must never fail to encode."""
+
+    def render(self, content) -> bytes:
+        text = json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+        return text.encode("ascii")
+
+
 def error_response(error: SpecrayError, headers: dict | None = None) -> JSONResponse:
     headers = dict(headers or {})
     if error.retriable:
         headers["Retry-After"] = str(RETRY_AFTER_S)
     if error.http_status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(error_body(error), status_code=error.http_status, headers=headers)
+    return _AsciiJSONResponse(error_body(error), status_code=error.http_status, headers=headers)
 
 
 # ---- request bodies ----------------------------------------------------------------------

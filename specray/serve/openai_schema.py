@@ -62,10 +62,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _number(name: str, value: Any) -> float | int:
+def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _invalid(name, f"{name} must be a number, got {_show(value)}")
-    return value
+    try:
+        # A float from here on: an int past float's range must not overflow further in.
+        return float(value)
+    except OverflowError:
+        raise _invalid(name, f"{name} must be a finite number, got a huge integer") from None
 
 
 def _integer(name: str, value: Any) -> int:
@@ -278,10 +282,41 @@ def _build(
     )
 
 
+def _has_unencodable(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` holds a string (or key) that is not valid UTF-8: JSON may escape lone
+    surrogates (``"\\ud800"``), which the tokenizer and the response encoder cannot take."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if depth > 64:  # read_json bounds nesting already; this only guards the recursion
+        return False
+    if isinstance(value, dict):
+        return any(
+            _has_unencodable(k, depth + 1) or _has_unencodable(v, depth + 1)
+            for k, v in value.items()
+        )
+    if isinstance(value, list):
+        return any(_has_unencodable(item, depth + 1) for item in value)
+    return False
+
+
+def _check_utf8(body: Mapping) -> None:
+    for key, value in body.items():
+        if _has_unencodable(key):
+            raise _invalid(None, f"the field name {key!a} is not valid UTF-8 text")
+        if _has_unencodable(value):
+            raise _invalid(key, f"{key} holds text that is not valid UTF-8 (a lone surrogate)")
+
+
 def _start(body: Any, served_model: str, endpoint_fields: set[str]) -> tuple[Mapping, str]:
-    """The checks every call begins with: a JSON object, the served model, known fields."""
+    """The checks every call begins with: a JSON object, valid UTF-8 text, the served model,
+    known fields."""
     if not isinstance(body, dict):
         raise _invalid(None, f"the request body must be a JSON object, got {_show(body)}")
+    _check_utf8(body)
     model = _model(body, served_model)
     _check_fields(body, endpoint_fields)
     return body, model
