@@ -531,7 +531,7 @@ def table(report: dict) -> str:
             f"{report['greedy_checked']} / {len(report['greedy_mismatches'])}",
         ),
         (
-            "sampled outputs (chi-square p; draft's p)",
+            "sampled outputs (chi-square p; negative control's p)",
             f"{report['sampled_n']} ({report['stat_p']:.3g}; {report['stat_negative_p']:.3g})",
         ),
         ("requests held by workers afterwards", len(report["held_after"])),
