@@ -98,7 +98,11 @@ class Client:
                 return
             except grpc.RpcError as error:
                 # Nothing delivered yet: a retry cannot duplicate output (see retry.py).
-                delay_s = None if received else self._generate_retry_delay(retry, error, deadline)
+                delay_s = None
+                if not received:
+                    delay_s = self.config.retry.next_delay_s(
+                        retry, error.code(), deadline.remaining_s(), random.random()
+                    )
                 if delay_s is None:
                     raise SpecrayClientError.from_rpc_error(error) from error
             finally:
@@ -106,11 +110,6 @@ class Client:
             self.generate_retries += 1
             time.sleep(delay_s)
             retry += 1
-
-    def _generate_retry_delay(self, retry: int, error, deadline) -> float | None:
-        return self.config.retry.next_delay_s(
-            retry, error.code(), deadline.remaining_s(), random.random()
-        )
 
     def generate(
         self,

@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-REPLICA_SLIVER = 0.001  # the draft-resource share a DraftWorker replica asks (app.py)
+REPLICA_SLIVER = 0.001  # the share of a node resource a replica asks to be placed by it (app.py)
 
 
 @dataclass(frozen=True)
@@ -74,25 +74,42 @@ class PlacementAsk:
             replica_cpus=REPLICA_CPUS_DEFAULT,
         )
 
+    def _placement(self):
+        from specray.cluster.placement import PlacementConfig
+
+        return PlacementConfig(
+            draft_resource=self.draft_resource,
+            target_resource=self.target_resource,
+            draft_num_cpus=self.draft_num_cpus,
+            target_num_cpus=self.target_num_cpus,
+            draft_num_gpus=self.draft_num_gpus,
+            target_num_gpus=self.target_num_gpus,
+        )
+
     def target_group_needs(self) -> dict[str, float]:
-        """One target group's placement group, summed (it must fit on one node)."""
-        needs = {
-            "CPU": self.replica_cpus + self.tp_size * self.target_num_cpus,
-            self.target_resource: float(self.tp_size),
-        }
-        if self.target_num_gpus:
-            needs["GPU"] = self.tp_size * self.target_num_gpus
-        return needs
+        """One target group's placement group, summed (it must fit on one node): the same
+        bundles the app asks for (``PlacementConfig.target_bundles``) plus the replica's."""
+        return _summed(
+            [{"CPU": self.replica_cpus}, *self._placement().target_bundles(self.tp_size)]
+        )
 
     def draft_worker_needs(self) -> dict[str, float]:
-        """One draft worker: its actor and its replica, both on a draft node."""
-        needs = {
-            "CPU": self.draft_num_cpus + self.replica_cpus,
-            self.draft_resource: 1.0 + REPLICA_SLIVER,
-        }
-        if self.draft_num_gpus:
-            needs["GPU"] = self.draft_num_gpus
-        return needs
+        """One draft worker: its actor (``PlacementConfig.draft_options``) and its replica,
+        both on a draft node."""
+        options = self._placement().draft_options()
+        actor = {"CPU": options["num_cpus"], **options["resources"]}
+        if "num_gpus" in options:
+            actor["GPU"] = options["num_gpus"]
+        replica = {"CPU": self.replica_cpus, self.draft_resource: REPLICA_SLIVER}
+        return _summed([actor, replica])
+
+
+def _summed(bundles: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            total[name] = total.get(name, 0.0) + float(amount)
+    return total
 
 
 def fits(node: Mapping[str, float], needs: Mapping[str, float]) -> int:

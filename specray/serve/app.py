@@ -12,6 +12,7 @@ from __future__ import annotations
 from ray import serve
 from ray.serve import Application
 
+from specray.cluster.node_types import REPLICA_SLIVER
 from specray.serve import deployments as d
 from specray.serve.config import REPLICA_CPUS_DEFAULT, AppArgs
 
@@ -46,7 +47,7 @@ def build_app(args: AppArgs | dict) -> Application:
             serve.deployment(
                 d.DraftWorkerDeployment,
                 name="DraftWorker",
-                ray_actor_options={**cpus, "resources": {args.draft_resource: 0.001}},
+                ray_actor_options={**cpus, "resources": {args.draft_resource: REPLICA_SLIVER}},
                 health_check_period_s=10,
                 health_check_timeout_s=60,
                 **_scaling("DraftWorker", args, args.num_draft_workers * args.num_target_groups),
@@ -83,7 +84,7 @@ def _ingress_options(args: AppArgs) -> dict:
         return {"num_cpus": REPLICA_CPUS_DEFAULT}
     # No CPU ask: heads usually advertise num-cpus 0 to keep work off them, and the ingress
     # only forwards (as Serve's own proxy there does).
-    return {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}}
+    return {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: REPLICA_SLIVER}}
 
 
 def _scaling(name: str, args: AppArgs, fixed: int) -> dict:

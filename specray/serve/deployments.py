@@ -400,11 +400,11 @@ class ServeBackend:
                         raise error
                     if kind == "delta":
                         emitted += event["token_ids"]
-                        piece, start = event["text"], offset
-                        offset += len(piece)
-                        piece = piece[max(delivered - start, 0) :]
+                        start = offset
+                        offset += len(event["text"])
+                        if start < delivered:  # after a resume: part of it was delivered
+                            event = {**event, "text": event["text"][delivered - start :]}
                         delivered = max(delivered, offset)
-                        event = {**event, "text": piece}
                     elif kind == "final":
                         finished = True
                     yield event
