@@ -95,6 +95,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per configuration")
 
+    from specray.distill.cli import add_distill_parser
     from specray.ops.cli import add_cluster_parser
     from specray.serve.cli import add_serve_parser
     from specray.sim.cli import add_simulate_parser
@@ -102,6 +103,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_serve_parser(commands)
     add_cluster_parser(commands)
     add_simulate_parser(commands)
+    add_distill_parser(commands)
     return parser
 
 
@@ -289,6 +291,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    from specray.distill.cli import run_distill_cli
     from specray.ops.cli import run_cluster
     from specray.serve.cli import run_serve
 
@@ -298,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "simulate": _simulate,
         "serve": run_serve,
         "cluster": run_cluster,
+        "distill": run_distill_cli,
     }
     try:
         return handlers[args.command](args)

@@ -2,16 +2,114 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from specray.distill.student import is_distilled_draft
 from specray.drafters.base import DraftBlock, Drafter, DraftRequest
+from specray.drafters.chain import FirstFoundDrafter
+from specray.drafters.distilled import load_distilled
 from specray.drafters.model import ModelDrafter, VocabularyMismatchError, check_same_vocabulary
 from specray.drafters.ngram import NgramConfig, NgramDrafter, find_continuation
 from specray.models.loading import LoadedModel, load_model
 from specray.models.runner import ModelRunner
 from specray.sampling import DraftProbsEncoding
 
-# "self:<dtype>" derives the draft from the target's own weights at a cheaper precision.
+# "self:<dtype>" derives the draft from the target's own weights at a cheaper precision;
+# "self:int8" quantises its linear layers (int8 weights, dynamic activation scales).
 SELF_DRAFT_DTYPES = {"self:bf16": "bfloat16", "self:fp16": "float16", "self:fp32": "float32"}
-DEFAULT_DRAFT = "self:bf16"  # what draft="default" means until a distilled draft ships
+SELF_DRAFTS = (*SELF_DRAFT_DTYPES, "self:int8")
+SHIPPED_DRAFT = "distilled"  # the distilled draft shipped for the default target
+MEASURED_DRAFT = "auto"  # the winner of `specray bench --drafters all` ("default" is the same)
+FALLBACK_DRAFT = "self:bf16"  # for a target with no measurement: works for any target
+
+
+def shipped_draft_dir() -> Path:
+    return Path(str(resources.files("specray.data").joinpath("drafts", "smollm2-135m-instruct")))
+
+
+def measured_drafts_file() -> Path:
+    return Path(str(resources.files("specray.data").joinpath("drafters.json")))
+
+
+def measured_winner(target: LoadedModel) -> str:
+    """The drafter ``specray bench --drafters all`` measured fastest for this target (matched
+    by vocabulary fingerprint and weights file), else :data:`FALLBACK_DRAFT`."""
+    path = measured_drafts_file()
+    if not path.exists() or target.path is None:
+        return FALLBACK_DRAFT
+    record = json.loads(path.read_text())
+    if record.get("target_config_sha256") != _config_digest(target.path):
+        return FALLBACK_DRAFT
+    return record["winner"]["draft"]
+
+
+def _config_digest(model_dir: Path) -> str | None:
+    config = Path(model_dir) / "config.json"
+    return hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else None
+
+
+def resolve_draft_name(draft: str, target: LoadedModel) -> str:
+    """``"default"`` / ``"auto"`` -> the measured winner; other names are returned as given."""
+    return measured_winner(target) if draft in {"default", MEASURED_DRAFT} else draft
+
+
+def _load_self_draft(spec: str, target: LoadedModel, draft: str):
+    if target.path is None:
+        raise ValueError(
+            f"draft {draft!r} derives the draft from the target's files; "
+            "an in-memory target has none (pass the draft model itself)"
+        )
+    if spec != "self:int8":
+        return load_model(str(target.path), dtype=SELF_DRAFT_DTYPES[spec], param="draft")
+    loaded = load_model(str(target.path), dtype="float32", param="draft")
+    return LoadedModel(quantize_int8(loaded.model), loaded.tokenizer, loaded.path)
+
+
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """int8 dynamic quantisation of the decoder's linear layers (the head stays fp32: it has a
+    faster pre-transposed path, and the runner reads its weight)."""
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch marks its quantised tensors as deprecated
+        quantize_dynamic(model.get_decoder(), {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    return model
+
+
+def _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encoded):
+    if spec == SHIPPED_DRAFT:
+        spec = str(shipped_draft_dir())
+        if not is_distilled_draft(spec):
+            raise ValueError(f"draft {draft!r}: the shipped draft is missing from {spec}")
+    if spec in SELF_DRAFTS:
+        loaded = _load_self_draft(spec, target, draft)
+        runner = ModelRunner(loaded.model)
+        check_same_vocabulary(
+            target.tokenizer, loaded.tokenizer, target_vocab_size, runner.vocab_size
+        )
+    elif spec.startswith("self:"):
+        raise ValueError(f"draft must be one of {list(SELF_DRAFTS)}, got {draft!r}")
+    elif is_distilled_draft(spec):  # checks the vocabulary against the target's itself
+        runner = ModelRunner(load_distilled(spec, target, target_vocab_size))
+    else:
+        loaded = load_model(spec, param="draft")
+        runner = ModelRunner(loaded.model)
+        check_same_vocabulary(
+            target.tokenizer, loaded.tokenizer, target_vocab_size, runner.vocab_size
+        )
+    return ModelDrafter(
+        runner,
+        encoding,
+        keep_encoded=keep_encoded,
+        shares_target_architecture=spec in SELF_DRAFTS,
+    )
 
 
 def make_drafter(
@@ -22,40 +120,35 @@ def make_drafter(
     *,
     keep_encoded: bool = False,
 ) -> Drafter | None:
-    """``None`` (target-only), ``"ngram"``, ``"default"``, ``"self:<dtype>"`` or a model path."""
+    """``None`` (target-only); ``"ngram"``; ``"self:bf16|fp16|fp32|int8"``; ``"distilled"`` (the
+    shipped draft of the default target); a distilled draft directory or a model path;
+    ``"ngram+<any of those>"`` (prompt lookup first); ``"default"`` / ``"auto"`` (the measured
+    winner for this target)."""
     if draft is None:
         return None
     if not isinstance(draft, str):
         raise ValueError(f"draft must be a string or None, got {draft!r}")
-    if draft == "ngram":
+    spec = resolve_draft_name(draft, target)
+    if spec == "none":
+        return None
+    if spec == "ngram":
         return NgramDrafter(target_vocab_size, keep_encoded=keep_encoded)
-    spec = DEFAULT_DRAFT if draft == "default" else draft
-    if spec in SELF_DRAFT_DTYPES:
-        if target.path is None:
-            raise ValueError(
-                f"draft {draft!r} derives the draft from the target's files; "
-                "an in-memory target has none (pass the draft model itself)"
-            )
-        loaded = load_model(str(target.path), dtype=SELF_DRAFT_DTYPES[spec], param="draft")
-    elif spec.startswith("self:"):
-        raise ValueError(f"draft must be one of {sorted(SELF_DRAFT_DTYPES)}, got {draft!r}")
-    else:
-        loaded = load_model(spec, param="draft")
-    runner = ModelRunner(loaded.model)
-    check_same_vocabulary(target.tokenizer, loaded.tokenizer, target_vocab_size, runner.vocab_size)
-    return ModelDrafter(
-        runner,
-        encoding,
-        keep_encoded=keep_encoded,
-        shares_target_architecture=spec in SELF_DRAFT_DTYPES,
-    )
+    if spec.startswith("ngram+"):
+        rest = spec.removeprefix("ngram+")
+        if rest in {"ngram", "", "default", MEASURED_DRAFT} or rest.startswith("ngram+"):
+            raise ValueError(f"draft 'ngram+X' needs a model drafter as X, got {draft!r}")
+        then = _model_drafter(rest, draft, target, target_vocab_size, encoding, keep_encoded)
+        return FirstFoundDrafter(NgramDrafter(target_vocab_size, keep_encoded=keep_encoded), then)
+    return _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encoded)
 
 
 __all__ = [
-    "DEFAULT_DRAFT",
+    "FALLBACK_DRAFT",
+    "SELF_DRAFTS",
     "DraftBlock",
     "DraftRequest",
     "Drafter",
+    "FirstFoundDrafter",
     "ModelDrafter",
     "NgramConfig",
     "NgramDrafter",
@@ -63,4 +156,5 @@ __all__ = [
     "check_same_vocabulary",
     "find_continuation",
     "make_drafter",
+    "resolve_draft_name",
 ]

@@ -35,14 +35,16 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module):
         self.model = model.eval()
         config = model.config
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         head = model.get_output_embeddings()
+        # A reduced-vocabulary head (a distilled draft) reports the full size as out_features.
+        self.vocab_size = int(getattr(head, "out_features", head.weight.shape[0]))
         plain_head = config.model_type in _PLAIN_HEAD_TYPES and getattr(head, "bias", None) is None
         self._decoder = model.get_decoder() if plain_head else None
         self._head = head if plain_head else None
         # One fp32 row: a pre-transposed copy of the head is ~2x faster on CPU (13.7 -> 6.5 ms
         # here); for several rows and for bf16 (153 ms vs 4.7 ms!) the plain linear wins.
-        fast_gemv = plain_head and head.weight.dtype == torch.float32
+        linear = isinstance(head, torch.nn.Linear)
+        fast_gemv = plain_head and linear and head.weight.dtype == torch.float32
         self._head_t = head.weight.detach().t().contiguous() if fast_gemv else None  # [H, V]
         self.cache: DynamicCache | None = None
         self.seq_ids: list[Hashable] = []  # row order of the cache

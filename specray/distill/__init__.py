@@ -1,0 +1,1 @@
+"""Distilling a compact draft model from any causal LM target (``specray distill``)."""

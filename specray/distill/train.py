@@ -1,0 +1,210 @@
+"""Training the student against the target's distribution, resumable and reproducible.
+
+Loss at every answer position: cross-entropy against the target's top-k probabilities (a KL up
+to a constant; top-k tokens outside the head are dropped) plus cross-entropy against the
+target's likeliest token. Step ``s`` always trains on the same sequences (drawn from
+``(seed, s)``), and a checkpoint holds the weights, the optimizer and the step, so a run resumed
+from a checkpoint ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from specray.distill.config import DistillConfig
+from specray.distill.data import Sequence
+from specray.distill.progress import Progress
+from specray.distill.student import trainable_state
+
+CHECKPOINT_FILE = "checkpoint.pt"
+VALIDATION_EVERY_NTH = 50  # every 50th sequence is held out of training (agreement is measured)
+
+
+def head_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, eos: set[int]):
+    """The ``size`` tokens the target most often puts first or chooses (eos always in)."""
+    if size == 0 or size >= vocab_size:
+        return None
+    counts: Counter[int] = Counter()
+    for sequence in sequences:
+        counts.update(sequence.top_ids[:, 0].tolist())
+        counts.update(sequence.token_ids[sequence.start + 1 :].tolist())
+    chosen = [token for token in sorted(eos) if token < vocab_size]
+    for token, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        if token not in chosen:
+            chosen.append(token)
+    for token in range(vocab_size):  # pad with low ids when the data has fewer tokens
+        if len(chosen) >= size:
+            break
+        if token not in chosen:
+            chosen.append(token)
+    return torch.tensor(sorted(chosen))
+
+
+def split(sequences: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+    train = [s for index, s in enumerate(sequences) if index % VALIDATION_EVERY_NTH != 1]
+    held = [s for index, s in enumerate(sequences) if index % VALIDATION_EVERY_NTH == 1]
+    return train, held
+
+
+def _batch(sequences: list[Sequence], max_len: int, position_of: torch.Tensor):
+    """Right-padded inputs and per-position targets for a list of sequences.
+
+    Returns input_ids [b, T], mask [b, T], where [n, 2] (row, column of each answer position),
+    top_ids [n, k] (indices into the head, -1 outside), top_probs [n, k], first [n] (head index
+    of the target's likeliest token, -1 outside)."""
+    width = min(max(len(s.token_ids) for s in sequences), max_len)
+    input_ids = torch.zeros(len(sequences), width, dtype=torch.int64)
+    mask = torch.zeros(len(sequences), width, dtype=torch.int64)
+    where, ids, probs = [], [], []
+    for row, sequence in enumerate(sequences):
+        tokens = sequence.token_ids[:width]
+        input_ids[row, : len(tokens)] = tokens
+        mask[row, : len(tokens)] = 1
+        stop = min(len(sequence.top_ids), width - 1 - sequence.start)  # positions that fit
+        if stop <= 0:
+            continue
+        columns = torch.arange(sequence.start, sequence.start + stop)
+        where.append(torch.stack([torch.full_like(columns, row), columns], dim=1))
+        ids.append(sequence.top_ids[:stop].long())
+        probs.append(sequence.top_probs[:stop].float())
+    top_ids = position_of[torch.cat(ids)]  # [n, k] head index or -1
+    return input_ids, mask, torch.cat(where), top_ids, torch.cat(probs)
+
+
+def losses(student, batch, config: DistillConfig):
+    """(loss, agreement): agreement = share of positions where the student's top token is the
+    target's (greedy acceptance on target contexts)."""
+    input_ids, mask, where, top_ids, top_probs = batch
+    hidden = student.get_decoder()(input_ids=input_ids, attention_mask=mask).last_hidden_state
+    rows = hidden[where[:, 0], where[:, 1]]  # [n, H]
+    head = student.get_output_embeddings()
+    log_q = torch.log_softmax(head.reduced(rows), dim=-1)  # [n, head_vocab]
+    inside = top_ids >= 0
+    gathered = log_q.gather(1, top_ids.clamp(min=0))  # [n, k]
+    soft = -(top_probs * gathered * inside).sum(dim=1).mean()
+    first = top_ids[:, 0]
+    hard_terms = -log_q.gather(1, first.clamp(min=0)[:, None]).squeeze(1)
+    hard = (hard_terms * (first >= 0)).sum() / (first >= 0).sum().clamp(min=1)
+    loss = config.soft_weight * soft + config.hard_weight * hard
+    agreement = (log_q.argmax(dim=1) == first).float().mean()
+    return loss, float(agreement)
+
+
+def _learning_rate(config: DistillConfig, step: int) -> float:
+    if step < config.warmup_steps:
+        return config.learning_rate * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(config.train_steps - config.warmup_steps, 1)
+    return config.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def evaluate(student, sequences: list[Sequence], config: DistillConfig, position_of) -> float:
+    """Greedy agreement with the target over held-out sequences."""
+    agree, total = 0.0, 0
+    for start in range(0, len(sequences), config.batch_sequences):
+        chunk = sequences[start : start + config.batch_sequences]
+        batch = _batch(chunk, config.max_seq_len, position_of)
+        _, agreement = losses(student, batch, config)
+        agree += agreement * len(batch[2])
+        total += len(batch[2])
+    return agree / max(total, 1)
+
+
+def _save_atomic(obj, path: Path) -> None:
+    staging = path.with_suffix(".tmp")
+    torch.save(obj, staging)
+    os.replace(staging, path)
+
+
+def train(
+    student,
+    sequences: list[Sequence],
+    folder: Path,
+    config: DistillConfig,
+    log,
+    stop_at: int | None = None,
+) -> dict:
+    """Train to ``config.train_steps`` (resuming from ``folder``'s checkpoint), or only to step
+    ``stop_at`` (a time-boxed session: it checkpoints there); returns a summary."""
+    train_set, held_out = split(sequences)
+    if not train_set or not held_out:
+        raise ValueError(
+            f"distillation needs at least {VALIDATION_EVERY_NTH} sequences of data, got "
+            f"{len(sequences)} (raise num_prompts)"
+        )
+    vocab_ids = student.get_output_embeddings().vocab_ids
+    position_of = torch.full((student.get_output_embeddings().out_features,), -1)
+    position_of[vocab_ids] = torch.arange(len(vocab_ids))
+    parameters = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=0.0)
+    checkpoint_path = folder / CHECKPOINT_FILE
+    step, history = 0, []
+    if checkpoint_path.exists():
+        checkpoint = torch.load(checkpoint_path, weights_only=False)
+        student.load_state_dict(checkpoint["student"], strict=False)
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        step, history = checkpoint["step"], checkpoint["history"]
+        log(f"resumed from {checkpoint_path} at step {step}")
+    if step == 0:
+        history.append(
+            {
+                "step": 0,
+                "held_out_agreement": evaluate(student.eval(), held_out, config, position_of),
+            }
+        )
+        log(f"step 0: held-out agreement {history[-1]['held_out_agreement']:.4f}")
+    progress = Progress("train", config.train_steps, "steps", start=step, every_s=30.0)
+    student.train()
+    running = []
+    last = config.train_steps if stop_at is None else min(stop_at, config.train_steps)
+    while step < last:
+        rng = random.Random(f"{config.seed}:batch:{step}")
+        size = min(config.batch_sequences, len(train_set))
+        chunk = [train_set[i] for i in rng.sample(range(len(train_set)), size)]
+        for group in optimizer.param_groups:
+            group["lr"] = _learning_rate(config, step)
+        loss, agreement = losses(student, _batch(chunk, config.max_seq_len, position_of), config)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        step += 1
+        running.append((loss.item(), agreement))
+        progress.update(1, f"loss {loss.item():.3f}, batch agreement {agreement:.3f}")
+        if step % config.checkpoint_every == 0 or step == last:
+            held = evaluate(student.eval(), held_out, config, position_of)
+            student.train()
+            mean_loss = sum(value for value, _ in running) / len(running)
+            history.append(
+                {
+                    "step": step,
+                    "train_loss": round(mean_loss, 4),
+                    "held_out_agreement": round(held, 4),
+                }
+            )
+            running = []
+            log(f"step {step}: train loss {mean_loss:.4f}, held-out agreement {held:.4f}")
+            _save_atomic(
+                {
+                    "student": trainable_state(student),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "history": history,
+                },
+                checkpoint_path,
+            )
+    student.eval()
+    return {
+        "steps": step,
+        "train_sequences": len(train_set),
+        "held_out_sequences": len(held_out),
+        "history": history,
+    }

@@ -1,0 +1,32 @@
+"""Distilled drafts (``specray distill`` output) on the target's shared embeddings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specray.models.loading import LoadedModel
+
+
+def target_embeddings(target: LoadedModel) -> torch.nn.Embedding:
+    """The target's input embeddings: its own module when loaded here, else read from its files
+    (a draft worker holds no target weights; it reads just this one tensor)."""
+    if target.model is not None:
+        return target.model.get_input_embeddings()
+    from safetensors import safe_open
+
+    for path in sorted(Path(target.path).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as weights:
+            names = [name for name in weights if name.endswith("embed_tokens.weight")]
+            if names:
+                tensor = weights.get_tensor(names[0]).float()
+                return torch.nn.Embedding.from_pretrained(tensor, freeze=True)
+    raise ValueError(f"target {str(target.path)!r} has no embed_tokens weight in safetensors")
+
+
+def load_distilled(folder: str | Path, target: LoadedModel, target_vocab_size: int):
+    """The draft model in ``folder`` on the target's embeddings (no copy when loaded here)."""
+    from specray.distill.student import load_draft
+
+    return load_draft(folder, target_embeddings(target), target_vocab_size, target.tokenizer)
