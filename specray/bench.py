@@ -92,22 +92,28 @@ def acceptance_from_mean_length(mean_length: float, k: int) -> float:
 
 
 @torch.inference_mode()
-def measure_verify_ratio(engine: Engine, prompt_ids: list[int], k: int, repeats: int = 8) -> dict:
-    """Target forward time for k+1 tokens over 1 token, at batch 1 after a real prompt."""
+def time_verify(engine: Engine, prompt_ids: list[int], widths, repeats: int = 8) -> dict:
+    """Best-of-``repeats`` target forward seconds over each number of new tokens in ``widths``,
+    at batch 1 after a real prompt."""
     runner = engine.target
     runner.forward({"probe": prompt_ids}, {"probe": 1})
-
-    def timed(width: int) -> float:
+    seconds = {}
+    for width in widths:
         best = float("inf")
         for _ in range(repeats):
             started = time.perf_counter()
             runner.forward({"probe": prompt_ids[:width]}, {"probe": width})
             best = min(best, time.perf_counter() - started)
             runner.rollback("probe", width)
-        return best
-
-    one, many = timed(1), timed(k + 1)
+        seconds[width] = best
     runner.remove(["probe"])
+    return seconds
+
+
+def measure_verify_ratio(engine: Engine, prompt_ids: list[int], k: int, repeats: int = 8) -> dict:
+    """Target forward time for k+1 tokens over 1 token, at batch 1 after a real prompt."""
+    seconds = time_verify(engine, prompt_ids, (1, k + 1), repeats)
+    one, many = seconds[1], seconds[k + 1]
     return {"target_step_s": one, "verify_k_plus_1_s": many, "verify_ratio": many / one}
 
 

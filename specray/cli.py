@@ -62,7 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--target", default=None, help="'default' (bundled), a dir or .gguf")
     bench.add_argument("--k", default="ngram=4,default=8", help="N, or drafter=N pairs")
     bench.add_argument("--max-tokens", type=int, default=64)
-    bench.add_argument("--num-prompts", type=int, default=24)
+    bench.add_argument("--num-prompts", type=int, default=None, help="24 (12 with --drafters)")
     bench.add_argument("--batch-size", type=int, default=8, help="for the batched comparison")
     bench.add_argument("--skip-transformers", action="store_true")
     bench.add_argument(
@@ -91,6 +91,24 @@ def _build_parser() -> argparse.ArgumentParser:
         help="serving overhead: Engine.generate in process vs the served app by gRPC and HTTP "
         "at these concurrencies (target 'tiny' by default: a random model made here, so the "
         "figures are the machinery's)",
+    )
+    bench.add_argument(
+        "--drafters",
+        metavar="all|A,B",
+        help="every drafter (ngram, self:bf16, self:int8, distilled, ngram+X...) on the "
+        "held-out prompts, each at its measured best k; --num-prompts defaults to 12 here",
+    )
+    bench.add_argument(
+        "--pipelined-top",
+        type=int,
+        default=0,
+        help="with --drafters: the N fastest also run pipelined (draft and target on separate "
+        "one-core Ray nodes)",
+    )
+    bench.add_argument(
+        "--record",
+        action="store_true",
+        help="with --drafters: record the winner as what draft='auto' / 'default' resolve to",
     )
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per configuration")
@@ -264,11 +282,13 @@ def _bench(args: argparse.Namespace) -> int:
     args.target = args.target or "default"
     if args.concurrency:
         return _serving_bench(args)
+    if args.drafters:
+        return _drafters_bench(args)
     config = BenchConfig(
         target=args.target,
         k=parse_k(args.k),
         max_tokens=args.max_tokens,
-        num_prompts=args.num_prompts,
+        num_prompts=24 if args.num_prompts is None else args.num_prompts,
         batch_size=args.batch_size,
         compare_transformers=not args.skip_transformers,
     )
@@ -286,6 +306,30 @@ def _bench(args: argparse.Namespace) -> int:
 
         plot_report(report, args.plot)
         print(f"specray: plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _drafters_bench(args: argparse.Namespace) -> int:
+    from specray.bench_drafters import (
+        DraftersBenchConfig,
+        parse_drafters,
+        print_drafters_report,
+        run_drafters_bench,
+    )
+
+    config = DraftersBenchConfig(
+        target=args.target,
+        drafters=parse_drafters(args.drafters),
+        max_tokens=args.max_tokens,
+        num_prompts=12 if args.num_prompts is None else args.num_prompts,
+        pipelined_top=args.pipelined_top,
+        record=args.record,
+    )
+    report = run_drafters_bench(config)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_drafters_report(report)
     return 0
 
 

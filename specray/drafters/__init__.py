@@ -36,10 +36,10 @@ def measured_drafts_file() -> Path:
     return Path(str(resources.files("specray.data").joinpath("drafters.json")))
 
 
-def measured_winner(target: LoadedModel) -> str:
-    """The drafter ``specray bench --drafters all`` measured fastest for this target (matched
-    by vocabulary fingerprint and weights file), else :data:`FALLBACK_DRAFT`."""
-    path = measured_drafts_file()
+def measured_winner(target: LoadedModel, path: Path | None = None) -> str:
+    """The drafter ``specray bench --drafters all --record`` measured fastest for this target
+    (matched by a digest of its config.json), else :data:`FALLBACK_DRAFT`."""
+    path = path or measured_drafts_file()
     if not path.exists() or target.path is None:
         return FALLBACK_DRAFT
     record = json.loads(path.read_text())

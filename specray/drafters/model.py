@@ -9,7 +9,9 @@ request's keyed DRAFT draw.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -53,6 +55,18 @@ def _common_prefix(left: Sequence[int], right: Sequence[int]) -> int:
     return size
 
 
+@dataclass
+class DraftProfile:
+    """Where draft time goes (seconds, summed over the drafter's life; for benchmarks)."""
+
+    steps: int = 0  # single-token draft forwards (one per drafted position, all requests)
+    tokens: int = 0  # draft tokens proposed
+    forward_s: float = 0.0  # the model: decoder layers and head (head_s of it)
+    head_s: float = 0.0
+    pipeline_s: float = 0.0  # the request's logits pipeline -> q
+    sample_s: float = 0.0  # wire encoding of q and the keyed draw
+
+
 class ModelDrafter:
     def __init__(
         self,
@@ -71,6 +85,7 @@ class ModelDrafter:
         # In process, fp32 q needs no wire form; a draft worker keeps the bytes it sends.
         self.keep_encoded = keep_encoded or encoding.name != "fp32"
         self._cached: dict[Hashable, list[int]] = {}  # tokens in the draft KV cache, per request
+        self.profile = DraftProfile()
 
     def import_prefill(self, target_runner: ModelRunner, requests: Sequence[DraftRequest]) -> None:
         """Start requests from the target's prompt cache (self-drafts share the architecture):
@@ -121,15 +136,22 @@ class ModelDrafter:
                     for request in requests
                     if request.num_tokens > step
                 }
+            profile, head_before = self.profile, self.runner.head_s
+            started = time.perf_counter()
             logits = self.runner.forward(feeds, {request_id: 1 for request_id in feeds})
+            profile.forward_s += time.perf_counter() - started
+            profile.head_s += self.runner.head_s - head_before
+            profile.steps += 1
             for request in requests:
                 request_id = request.request_id
                 if request_id not in logits:
                     continue
                 self._cached[request_id].extend(feeds[request_id])
+                started = time.perf_counter()
                 # History at this position: committed output plus this round's drafts so far.
                 history = [*request.output_token_ids, *proposals[request_id]]
                 draft_probs = request.pipeline.probs(logits[request_id], history)  # [1, vocab]
+                piped = time.perf_counter()
                 if self.keep_encoded:  # sample from exactly what is sent: decode(encode(q))
                     row = encode_draft_probs(draft_probs, self.encoding)
                     encoded[request_id].append(row)
@@ -138,6 +160,9 @@ class ModelDrafter:
                 uniform = request.random.uniforms([position], Purpose.DRAFT)
                 proposals[request_id].append(int(sample_from_probs(draft_probs, uniform)))
                 probs[request_id].append(draft_probs[0])
+                profile.pipeline_s += piped - started
+                profile.sample_s += time.perf_counter() - piped
+                profile.tokens += 1
         return [
             DraftBlock(
                 proposals[r.request_id],

@@ -46,6 +46,7 @@ class ModelRunner:
         linear = isinstance(head, torch.nn.Linear)
         fast_gemv = plain_head and linear and head.weight.dtype == torch.float32
         self._head_t = head.weight.detach().t().contiguous() if fast_gemv else None  # [H, V]
+        self.head_s = 0.0  # seconds in the head (logits), over the runner's life: benchmarks
         self.cache: DynamicCache | None = None
         self.seq_ids: list[Hashable] = []  # row order of the cache
         self.lengths: list[int] = []  # logical tokens cached per row
@@ -200,7 +201,9 @@ class ModelRunner:
             return {}
         # All requested rows through the head in one matmul: the head's weight is read once.
         selected = torch.cat([hidden_or_logits[row, start:stop] for _, row, start, stop in wanted])
+        started = time.perf_counter()
         logits = self._logits(selected)  # [total rows, vocab]
+        self.head_s += time.perf_counter() - started
         sizes = [stop - start for _, _, start, stop in wanted]
         return {
             seq_id: part for (seq_id, *_), part in zip(wanted, logits.split(sizes), strict=True)
