@@ -18,7 +18,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--draft",
         type=_draft_arg,
         default="default",
-        help="'none', 'ngram', 'default' (= self:bf16), 'self:fp32', or a model dir / .gguf",
+        help="'none', 'ngram', 'self:bf16|fp16|fp32|int8', 'distilled' (shipped for the "
+        "default target), a distilled draft or model dir / .gguf, 'ngram+<one of those>', or "
+        "'default' / 'auto' (the drafter `specray bench --drafters all --record` measured best)",
     )
     parser.add_argument("--k", type=int, default=4, help="speculative tokens per round")
     parser.add_argument(

@@ -68,9 +68,13 @@ class Engine:
 
     target: ``"default"`` (bundled SmolLM2-135M-Instruct), a model directory, a ``.gguf`` file,
         or an in-memory ``torch.nn.Module`` causal LM (then pass ``tokenizer`` or use token ids).
-    draft: ``None`` (target-only), ``"ngram"`` (prompt lookup), ``"default"`` (currently the
-        target's own weights in bf16, ``"self:bf16"``), ``"self:fp32"`` / ``"self:fp16"``, a
-        model directory / ``.gguf`` sharing the target's tokenizer, or an in-memory module.
+    draft: ``None`` (target-only), ``"ngram"`` (prompt lookup), ``"self:bf16"`` /
+        ``"self:fp16"`` / ``"self:fp32"`` / ``"self:int8"`` (the target's own weights, cheaper),
+        ``"distilled"`` (the draft shipped for the default target), a ``specray distill``
+        output directory, a model directory / ``.gguf`` sharing the target's tokenizer,
+        ``"ngram+<any model draft>"`` (prompt lookup first), ``"default"`` / ``"auto"`` (the
+        winner ``specray bench --drafters all --record`` measured for this target; self:bf16
+        for a target never measured), or an in-memory module.
     num_speculative_tokens: k, the most draft tokens verified per round (0..MAX_SPEC_LEN).
     draft_probs_encoding: how q is represented (fp32 | fp16 | bf16 | top<M>); the draft samples
         from the encoded q, so every choice is exact.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from dataclasses import fields
@@ -57,6 +56,17 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _foreground_argv(args: argparse.Namespace, explicit: set[str]) -> list[str]:
+    """The same command without ``--background`` (for the detached process)."""
+    argv = ["distill", "--out", str(args.out), "--phase", args.phase]
+    if args.stop_at_step is not None:
+        argv += ["--stop-at-step", str(args.stop_at_step)]
+    for name in sorted(explicit):
+        value = getattr(args, name)
+        argv += [_FLAGS[name], str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv
+
+
 def run_distill_cli(args: argparse.Namespace) -> int:
     from specray.distill.pipeline import resolve_config, run_distill
 
@@ -66,15 +76,14 @@ def run_distill_cli(args: argparse.Namespace) -> int:
     config = resolve_config(out, requested, explicit)
     if args.background:
         out.mkdir(parents=True, exist_ok=True)
-        argv = [a for a in sys.argv[1:] if a != "--background"] if sys.argv[1:] else []
-        command = [sys.executable, "-m", "specray.cli", *argv]
+        command = [sys.executable, "-m", "specray.cli", *_foreground_argv(args, explicit)]
         with (out / LOG_FILE).open("a") as log:
             process = subprocess.Popen(
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                env=os.environ.copy(),
             )
         print(f"specray: distilling in the background (pid {process.pid}); follow {out / LOG_FILE}")
         return 0

@@ -1,5 +1,5 @@
 """Distillation data: the target's own answers to the prompt set, generated in batches, and
-the target's teacher-forced distribution (top-k) at every answer position.
+the target's distribution (top-k) at every answer position, recorded as it generates.
 
 Data lives in ``DIR/data/shard-NNNNN.pt``, one shard per generation batch, written atomically;
 a shard on disk is never recomputed, so generation resumes where it stopped. A shard's prompts,
@@ -39,7 +39,7 @@ def shard_path(folder: Path, index: int) -> Path:
     return folder / DATA_DIR / f"shard-{index:05d}.pt"
 
 
-def _save_atomic(obj, path: Path) -> None:
+def save_atomic(obj, path: Path) -> None:
     staging = path.with_suffix(".tmp")
     torch.save(obj, staging)
     os.replace(staging, path)
@@ -155,7 +155,7 @@ def _generate_shards(model, tokenizer, folder, config, batches, phase: str) -> N
     tokens = 0
     for index, batch in missing:
         sequences = generate_batch(runner, tokenizer, eos, batch, config, index)
-        _save_atomic(sequences, shard_path(folder, index))
+        save_atomic(sequences, shard_path(folder, index))
         tokens += sum(len(s.top_ids) for s in sequences)
         progress.update(len(batch), f"{tokens} answer tokens this run")
 

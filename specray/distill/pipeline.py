@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -41,16 +42,23 @@ def resolve_config(folder: Path, requested: DistillConfig, explicit: set[str]) -
 
 
 class _Log:
-    """Progress lines to stderr and to ``DIR/distill.log``."""
+    """Progress lines to stderr and to ``DIR/distill.log`` (once: a background run's stderr
+    already is that file)."""
 
     def __init__(self, folder: Path):
         self.path = folder / LOG_FILE
+        self.path.touch()
+        try:
+            same = os.path.samestat(os.fstat(sys.stderr.fileno()), self.path.stat())
+        except (OSError, ValueError, AttributeError):  # stderr replaced (e.g. captured)
+            same = False
+        self.to_file = not same
 
     def __call__(self, message: str) -> None:
-        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}"
         print(f"distill: {message}", file=sys.stderr, flush=True)
-        with self.path.open("a") as handle:
-            handle.write(line + "\n")
+        if self.to_file:
+            with self.path.open("a") as handle:
+                handle.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
 
 
 def run_distill(
@@ -85,9 +93,9 @@ def run_distill(
         "sequences": len(sequences),
         "answer_tokens": answer_tokens,
         "shards": len(shards),
-        "seconds_this_run": round(data_s, 1) + summary.get("data", {}).get("seconds_this_run", 0)
-        if data_s > 5
-        else summary.get("data", {}).get("seconds_this_run", round(data_s, 1)),
+        # Wall seconds over every session of this run (a session with all shards on disk
+        # only reads them).
+        "seconds": round(summary.get("data", {}).get("seconds", 0.0) + data_s, 1),
     }
     log(f"data: {len(sequences)} sequences, {answer_tokens} target answer tokens")
     if phase == "data":
@@ -111,7 +119,8 @@ def run_distill(
         target.tokenizer,
         {
             "distill_config": asdict(config),
-            "held_out_agreement": result["history"][-1].get("held_out_agreement"),
+            "step": result["best_step"],
+            "held_out_agreement": result["best_held_out_agreement"],
         },
     )
     summary["draft"] = {

@@ -10,7 +10,6 @@ from a checkpoint ends with the same weights as an uninterrupted one.
 from __future__ import annotations
 
 import math
-import os
 import random
 from collections import Counter
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 from specray.distill.config import DistillConfig
-from specray.distill.data import Sequence
+from specray.distill.data import Sequence, save_atomic
 from specray.distill.progress import Progress
 from specray.distill.student import trainable_state
 
@@ -118,10 +117,8 @@ def evaluate(student, sequences: list[Sequence], config: DistillConfig, position
     return agree / max(total, 1)
 
 
-def _save_atomic(obj, path: Path) -> None:
-    staging = path.with_suffix(".tmp")
-    torch.save(obj, staging)
-    os.replace(staging, path)
+def _copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in state.items()}
 
 
 def train(
@@ -147,20 +144,18 @@ def train(
     optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=0.0)
     checkpoint_path = folder / CHECKPOINT_FILE
     step, history = 0, []
+    best = None  # (held-out agreement, step, weights): the draft keeps the best checkpoint
     if checkpoint_path.exists():
         checkpoint = torch.load(checkpoint_path, weights_only=False)
         student.load_state_dict(checkpoint["student"], strict=False)
         optimizer.load_state_dict(checkpoint["optimizer"])
-        step, history = checkpoint["step"], checkpoint["history"]
+        step, history, best = checkpoint["step"], checkpoint["history"], checkpoint["best"]
         log(f"resumed from {checkpoint_path} at step {step}")
     if step == 0:
-        history.append(
-            {
-                "step": 0,
-                "held_out_agreement": evaluate(student.eval(), held_out, config, position_of),
-            }
-        )
-        log(f"step 0: held-out agreement {history[-1]['held_out_agreement']:.4f}")
+        agreement = evaluate(student.eval(), held_out, config, position_of)
+        history.append({"step": 0, "held_out_agreement": round(agreement, 4)})
+        best = (agreement, 0, _copy(trainable_state(student)))
+        log(f"step 0: held-out agreement {agreement:.4f}")
     progress = Progress("train", config.train_steps, "steps", start=step, every_s=30.0)
     student.train()
     running = []
@@ -192,17 +187,24 @@ def train(
             )
             running = []
             log(f"step {step}: train loss {mean_loss:.4f}, held-out agreement {held:.4f}")
-            _save_atomic(
+            if held > best[0]:
+                best = (held, step, _copy(trainable_state(student)))
+            save_atomic(
                 {
                     "student": trainable_state(student),
                     "optimizer": optimizer.state_dict(),
                     "step": step,
                     "history": history,
+                    "best": best,
                 },
                 checkpoint_path,
             )
+    student.load_state_dict(best[2], strict=False)  # the best held-out checkpoint
     student.eval()
+    log(f"keeping step {best[1]} (held-out agreement {best[0]:.4f})")
     return {
+        "best_step": best[1],
+        "best_held_out_agreement": round(best[0], 4),
         "steps": step,
         "train_sequences": len(train_set),
         "held_out_sequences": len(held_out),

@@ -18,7 +18,7 @@ def target_embeddings(target: LoadedModel) -> torch.nn.Embedding:
 
     for path in sorted(Path(target.path).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as weights:
-            names = [name for name in weights if name.endswith("embed_tokens.weight")]
+            names = [n for n in weights.keys() if n.endswith("embed_tokens.weight")]  # noqa: SIM118
             if names:
                 tensor = weights.get_tensor(names[0]).float()
                 return torch.nn.Embedding.from_pretrained(tensor, freeze=True)

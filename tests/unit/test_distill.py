@@ -183,3 +183,34 @@ def test_ngram_chain_keeps_greedy_identity(tiny_target):
 def test_unknown_self_draft_is_named(tiny_target):
     with pytest.raises(ValueError, match="self:int4"):
         Engine(tiny_target, draft="self:int4")
+
+
+def test_draft_worker_loads_a_distilled_draft_without_the_target_weights(
+    tiny_target, uninterrupted
+):
+    from specray.actors.draft_worker import DraftWorker
+
+    folder, _ = uninterrupted
+    worker = DraftWorker(tiny_target, str(folder))
+    model = worker.drafter.runner.model
+    embeddings = model.get_input_embeddings().weight
+    target = Engine(tiny_target, draft=None).target.model
+    assert torch.equal(embeddings, target.get_input_embeddings().weight)  # read from its file
+    assert worker.vocab_size == target.config.vocab_size
+
+
+def test_background_run_writes_its_log_and_draft(tiny_target, tmp_path, capsys):
+    import time
+
+    out = tmp_path / "bg"
+    argv = ["distill", "--target", tiny_target, "--out", str(out), "--num-prompts", "60"]
+    argv += ["--max-new-tokens", "4", "--train-steps", "2", "--head-vocab", "256"]
+    argv += ["--num-layers", "1", "--text-prompts", "false", "--batch-sequences", "4"]
+    assert main([*argv, "--background"]) == 0
+    assert "in the background (pid" in capsys.readouterr().out
+    deadline = time.monotonic() + 120
+    while not (out / "specray_draft.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    log = (out / "distill.log").read_text()
+    assert (out / "specray_draft.json").exists(), log[-2000:]
+    assert "distill train:" in log and "draft written to" in log
