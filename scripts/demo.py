@@ -1,5 +1,6 @@
 """The main job on the embedded default, through the server: ``specray serve`` on an embedded
-local Ray (the bundled SmolLM2-135M-Instruct as target, its own weights in bf16 as draft), then
+local Ray (the bundled SmolLM2-135M-Instruct as target, draft="default": the drafter
+``specray bench --drafters all --record`` measured fastest for it), then
 requests through the gRPC client library and the OpenAI-compatible HTTP API, the metrics, and a
 clean stop. Checks what it shows: the served greedy output is token-identical to target-only
 decoding in this process, a seeded sampled request repeats exactly, and the server stops with
@@ -94,7 +95,11 @@ def stream_sse(url: str, body: dict):
 
 
 def main() -> int:
-    print("specray demo: target = bundled SmolLM2-135M-Instruct, draft = its weights in bf16")
+    from specray.drafters import measured_winner
+    from specray.models.loading import LoadedModel, resolve_model_dir
+
+    winner = measured_winner(LoadedModel(None, None, resolve_model_dir("default")))
+    print(f"specray demo: target = bundled SmolLM2-135M-Instruct, draft = default ({winner})")
     print("\n1. reference: target-only greedy decoding in this process")
     reference = Engine("default", draft=None).generate(
         [PROMPT], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -13,7 +13,6 @@ to ``specray/data/drafters.json``, which ``draft="auto"`` / ``"default"`` resolv
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specray.bench import _run_specray, acceptance_from_mean_length, load_prompts, time_verify
-from specray.drafters import measured_drafts_file
+from specray.drafters import measured_drafts_file, model_digest
 from specray.engine import Engine
 from specray.models.loading import resolve_model_dir
 from specray.sampling import SamplingParams
@@ -56,10 +55,11 @@ class DraftersBenchConfig:
     num_prompts: int = 12
     max_k: int = 8
     pipelined_top: int = 0  # the N fastest drafters also run pipelined (0: none)
+    pipelined_prompts: int = 6  # held-out prompts per pipelined run (each runs 3 schedules)
     record: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "num_prompts", "max_k"):
+        for name in ("max_tokens", "num_prompts", "max_k", "pipelined_prompts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -216,7 +216,7 @@ def run_pipelined(config: DraftersBenchConfig, drafters: list[str]) -> list[dict
             draft=drafter,
             concurrency=(1,),
             max_tokens=config.max_tokens,
-            requests_per_client=config.num_prompts,
+            requests_per_client=config.pipelined_prompts,
             num_speculative_tokens=config.max_k,
         )
         report = run_serving_bench(serving)
@@ -241,10 +241,9 @@ def run_pipelined(config: DraftersBenchConfig, drafters: list[str]) -> list[dict
 def record_winner(target: str, report: dict, path: Path | None = None) -> Path:
     """Write the measured winner for ``target`` where ``draft="auto"`` looks it up."""
     path = path or measured_drafts_file()
-    config = resolve_model_dir(target) / "config.json"
     record = {
         "target": target,
-        "target_config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
+        "target_digest": model_digest(resolve_model_dir(target)),
         "measured": time.strftime("%Y-%m-%d"),
         "how": "specray bench --drafters all --record (held-out bench prompts, batch 1, greedy)",
         "winner": report["winner"],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -104,7 +104,7 @@ def generate_batch(runner, tokenizer, eos: set[int], prompts, config: DistillCon
 def _answers_text(tokenizer, shards: list[Path]) -> list[str]:
     texts = []
     for path in shards:
-        for sequence in torch.load(path, weights_only=False):
+        for sequence in _load_shard(path):
             answer = sequence.token_ids[sequence.start + 1 :].tolist()
             texts.append(tokenizer.decode(answer, skip_special_tokens=True))
     return texts
@@ -155,13 +155,18 @@ def _generate_shards(model, tokenizer, folder, config, batches, phase: str) -> N
     tokens = 0
     for index, batch in missing:
         sequences = generate_batch(runner, tokenizer, eos, batch, config, index)
-        save_atomic(sequences, shard_path(folder, index))
+        # Plain dicts of tensors and ints: shards load with weights_only=True (no pickle code).
+        save_atomic([asdict(sequence) for sequence in sequences], shard_path(folder, index))
         tokens += sum(len(s.top_ids) for s in sequences)
         progress.update(len(batch), f"{tokens} answer tokens this run")
+
+
+def _load_shard(path: Path) -> list[Sequence]:
+    return [Sequence(**item) for item in torch.load(path, weights_only=True)]
 
 
 def load_sequences(shards: list[Path]) -> list[Sequence]:
     sequences = []
     for path in shards:
-        sequences.extend(torch.load(path, weights_only=False))
+        sequences.extend(_load_shard(path))
     return sequences

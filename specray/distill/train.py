@@ -146,7 +146,7 @@ def train(
     step, history = 0, []
     best = None  # (held-out agreement, step, weights): the draft keeps the best checkpoint
     if checkpoint_path.exists():
-        checkpoint = torch.load(checkpoint_path, weights_only=False)
+        checkpoint = torch.load(checkpoint_path, weights_only=True)
         student.load_state_dict(checkpoint["student"], strict=False)
         optimizer.load_state_dict(checkpoint["optimizer"])
         step, history, best = checkpoint["step"], checkpoint["history"], checkpoint["best"]

@@ -38,19 +38,28 @@ def measured_drafts_file() -> Path:
 
 def measured_winner(target: LoadedModel, path: Path | None = None) -> str:
     """The drafter ``specray bench --drafters all --record`` measured fastest for this target
-    (matched by a digest of its config.json), else :data:`FALLBACK_DRAFT`."""
+    (matched by :func:`model_digest`), else :data:`FALLBACK_DRAFT`."""
     path = path or measured_drafts_file()
     if not path.exists() or target.path is None:
         return FALLBACK_DRAFT
     record = json.loads(path.read_text())
-    if record.get("target_config_sha256") != _config_digest(target.path):
+    if record.get("target_digest") != model_digest(target.path):
         return FALLBACK_DRAFT
     return record["winner"]["draft"]
 
 
-def _config_digest(model_dir: Path) -> str | None:
-    config = Path(model_dir) / "config.json"
-    return hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else None
+def model_digest(model_dir: Path) -> str:
+    """Identifies a model directory cheaply: its config.json, and each weights file's name,
+    size and first MiB (the safetensors header: every tensor's name, shape and offset)."""
+    folder = Path(model_dir)
+    digest = hashlib.sha256()
+    config = folder / "config.json"
+    digest.update(config.read_bytes() if config.exists() else b"")
+    for weights in sorted(folder.glob("*.safetensors")):
+        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+        with weights.open("rb") as handle:
+            digest.update(handle.read(1 << 20))
+    return digest.hexdigest()
 
 
 def resolve_draft_name(draft: str, target: LoadedModel) -> str:
@@ -163,5 +172,6 @@ __all__ = [
     "check_same_vocabulary",
     "find_continuation",
     "make_drafter",
+    "model_digest",
     "resolve_draft_name",
 ]

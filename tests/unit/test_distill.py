@@ -214,3 +214,26 @@ def test_background_run_writes_its_log_and_draft(tiny_target, tmp_path, capsys):
     log = (out / "distill.log").read_text()
     assert (out / "specray_draft.json").exists(), log[-2000:]
     assert "distill train:" in log and "draft written to" in log
+
+
+SHIPPED_LIMIT_BYTES = 25_000_000  # the shipped draft's budget inside the package
+
+
+def test_shipped_draft_is_small_loads_and_keeps_greedy_identity(tmp_path):
+    from specray.drafters import shipped_draft_dir
+
+    folder = shipped_draft_dir()
+    size = sum(path.stat().st_size for path in folder.iterdir() if path.is_file())
+    assert size <= SHIPPED_LIMIT_BYTES, size
+    marker = json.loads((folder / "specray_draft.json").read_text())
+    assert marker["target"] == "default" and marker["head_vocab"] == 8192
+    params = SamplingParams(temperature=0, max_tokens=16, seed=0)
+    reference = Engine("default", draft=None).generate(PROMPTS, params)
+    engine = Engine("default", draft="distilled", num_speculative_tokens=2)
+    outputs = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0
+    other = tiny_llama(7, seed=0)
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(VocabularyMismatchError, match="49152"):
+        Engine(str(tmp_path / "other"), draft="distilled")
