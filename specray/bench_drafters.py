@@ -30,10 +30,12 @@ from specray.sampling import SamplingParams
 ALL_DRAFTERS = (
     "ngram",
     "self:bf16",
+    "self:fp16",
     "self:int8",
-    "distilled",
+    "distilled:fp32",
+    "distilled:fp16",
     "ngram+distilled",
-    "ngram+self:bf16",
+    "ngram+self:auto",
 )
 CALIBRATION_K = 4
 

@@ -18,8 +18,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--draft",
         type=_draft_arg,
         default="default",
-        help="'none', 'ngram', 'self:bf16|fp16|fp32|int8', 'distilled' (shipped for the "
-        "default target), a distilled draft or model dir / .gguf, 'ngram+<one of those>', or "
+        help="'none', 'ngram', 'self:auto|bf16|fp16|fp32|int8', 'distilled[:fp32|fp16|bf16]' "
+        "(shipped for the default target), a distilled draft or model dir / .gguf, 'ngram+<one of those>', or "
         "'default' / 'auto' (the drafter `specray bench --drafters all --record` measured best)",
     )
     parser.add_argument("--k", type=int, default=4, help="speculative tokens per round")
@@ -97,7 +97,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--drafters",
         metavar="all|A,B",
-        help="every drafter (ngram, self:bf16, self:int8, distilled, ngram+X...) on the "
+        help="every drafter (ngram, self:bf16|fp16|int8, distilled:fp32|fp16, ngram+X...) on the "
         "held-out prompts, each at its measured best k; --num-prompts defaults to 12 here",
     )
     bench.add_argument(

@@ -43,7 +43,8 @@ class ReducedVocabHead(nn.Module):
     def reduced(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the head's tokens only: ``[..., head_vocab]`` (training uses these)."""
         one_row = hidden.dim() == 2 and hidden.shape[0] == 1
-        if one_row and not self.training and not torch.is_grad_enabled():
+        fp32 = self.weight.dtype == torch.float32  # (an fp16 matrix transposed is 12x slower)
+        if one_row and fp32 and not self.training and not torch.is_grad_enabled():
             # A draft step's single row: a pre-transposed copy of the weight is ~2x faster on CPU.
             if self._weight_t is None:
                 self._weight_t = self.weight.detach().t().contiguous()
@@ -149,8 +150,31 @@ def read_marker(folder: Path) -> dict:
     return json.loads((Path(folder) / DRAFT_FILE).read_text())
 
 
-def load_draft(folder: str | Path, embeddings: nn.Embedding, vocab_size: int, tokenizer):
-    """The draft in ``folder`` on the given (target's) embeddings, shared not copied; fp32, eval.
+class CastEmbedding(nn.Module):
+    """The target's embedding module, shared (never converted), with its rows cast to the
+    draft's dtype: an fp16 draft must not turn the target's embeddings into fp16."""
+
+    def __init__(self, embeddings: nn.Embedding, dtype: torch.dtype):
+        super().__init__()
+        self.embeddings, self.dtype = embeddings, dtype
+
+    @property
+    def weight(self) -> torch.Tensor:  # [vocab, H], the target's
+        return self.embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
+        return self.embeddings(input_ids).to(self.dtype)
+
+
+def load_draft(
+    folder: str | Path,
+    embeddings: nn.Embedding,
+    vocab_size: int,
+    tokenizer,
+    dtype: torch.dtype = torch.float32,
+):
+    """The draft in ``folder`` on the given (target's) embeddings, shared not copied; eval, its
+    own weights in ``dtype`` (the embeddings stay as they are; their rows are cast).
 
     Raises ``VocabularyMismatchError`` when the target's vocabulary is not the one the draft
     was distilled for.
@@ -192,4 +216,19 @@ def load_draft(folder: str | Path, embeddings: nn.Embedding, vocab_size: int, to
             f"draft {str(folder)!r}: weights do not match its config "
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    return student.eval()
+    return set_draft_dtype(student.eval(), dtype)
+
+
+def set_draft_dtype(student, dtype: torch.dtype):
+    """Convert a loaded draft's own weights to ``dtype`` in place; the shared embeddings stay
+    the target's (their rows are cast on the way in)."""
+    if dtype == torch.float32:
+        return student
+    decoder = student.get_decoder()
+    decoder.layers.to(dtype)
+    decoder.norm.to(dtype)
+    student.get_output_embeddings().to(dtype)
+    if not isinstance(decoder.embed_tokens, CastEmbedding):
+        decoder.embed_tokens = CastEmbedding(decoder.embed_tokens, dtype)
+    decoder.embed_tokens.dtype = dtype
+    return student

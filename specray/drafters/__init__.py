@@ -19,13 +19,16 @@ from specray.models.loading import LoadedModel, load_model
 from specray.models.runner import ModelRunner
 from specray.sampling import DraftProbsEncoding
 
-# "self:<dtype>" derives the draft from the target's own weights at a cheaper precision;
+# "self:<dtype>" derives the draft from the target's own weights at a cheaper precision
+# ("self:auto": fp16 or bf16, whichever computes a step faster on this CPU, measured once);
 # "self:int8" quantises its linear layers (int8 weights, dynamic activation scales).
 SELF_DRAFT_DTYPES = {"self:bf16": "bfloat16", "self:fp16": "float16", "self:fp32": "float32"}
-SELF_DRAFTS = (*SELF_DRAFT_DTYPES, "self:int8")
-SHIPPED_DRAFT = "distilled"  # the distilled draft shipped for the default target
+SELF_DRAFTS = (*SELF_DRAFT_DTYPES, "self:auto", "self:int8")
+# The distilled draft shipped for the default target; "distilled:fp32|fp16|bf16" pins its
+# precision, plain "distilled" (like a distilled directory) takes this CPU's fastest.
+SHIPPED_DRAFT = "distilled"
 MEASURED_DRAFT = "auto"  # the winner of `specray bench --drafters all` ("default" is the same)
-FALLBACK_DRAFT = "self:bf16"  # for a target with no measurement: works for any target
+FALLBACK_DRAFT = "self:auto"  # for a target with no measurement: works for any target
 
 
 def shipped_draft_dir() -> Path:
@@ -73,10 +76,25 @@ def _load_self_draft(spec: str, target: LoadedModel, draft: str):
             f"draft {draft!r} derives the draft from the target's files; "
             "an in-memory target has none (pass the draft model itself)"
         )
+    if spec == "self:auto":
+        spec = f"self:{_fastest_self_dtype(target.path)}"
     if spec != "self:int8":
         return load_model(str(target.path), dtype=SELF_DRAFT_DTYPES[spec], param="draft")
     loaded = load_model(str(target.path), dtype="float32", param="draft")
     return LoadedModel(quantize_int8(loaded.model), loaded.tokenizer, loaded.path)
+
+
+def _fastest_self_dtype(target_dir: Path) -> str:
+    """fp16 or bf16 for a self-draft: the faster for one row through the target's linears."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specray.models.linears import fastest_row_dtype
+
+    config = AutoConfig.from_pretrained(target_dir, local_files_only=True)
+    with torch.device("meta"):  # shapes only: no memory, no weights read
+        skeleton = AutoModelForCausalLM.from_config(config)
+    shapes = [tuple(m.weight.shape) for m in skeleton.modules() if isinstance(m, torch.nn.Linear)]
+    return fastest_row_dtype(shapes, candidates=("fp16", "bf16"))
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
@@ -100,7 +118,13 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encoded):
-    if spec == SHIPPED_DRAFT:
+    distilled_dtype = "auto"
+    if spec == SHIPPED_DRAFT or spec.startswith(f"{SHIPPED_DRAFT}:"):
+        distilled_dtype = spec.partition(":")[2] or "auto"
+        if distilled_dtype not in ("auto", "fp32", "fp16", "bf16"):
+            raise ValueError(
+                f"draft must be 'distilled' or 'distilled:fp32|fp16|bf16', got {draft!r}"
+            )
         spec = str(shipped_draft_dir())
         if not is_distilled_draft(spec):
             raise ValueError(f"draft {draft!r}: the shipped draft is missing from {spec}")
@@ -113,7 +137,8 @@ def _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encode
     elif spec.startswith("self:"):
         raise ValueError(f"draft must be one of {list(SELF_DRAFTS)}, got {draft!r}")
     elif is_distilled_draft(spec):  # checks the vocabulary against the target's itself
-        runner = ModelRunner(load_distilled(spec, target, target_vocab_size))
+        draft_model = load_distilled(spec, target, target_vocab_size, distilled_dtype)
+        runner = ModelRunner(draft_model)
     else:
         loaded = load_model(spec, param="draft")
         runner = ModelRunner(loaded.model)
@@ -136,8 +161,9 @@ def make_drafter(
     *,
     keep_encoded: bool = False,
 ) -> Drafter | None:
-    """``None`` (target-only); ``"ngram"``; ``"self:bf16|fp16|fp32|int8"``; ``"distilled"`` (the
-    shipped draft of the default target); a distilled draft directory or a model path;
+    """``None`` (target-only); ``"ngram"``; ``"self:auto|bf16|fp16|fp32|int8"``; ``"distilled"``
+    or ``"distilled:fp32|fp16|bf16"`` (the shipped draft of the default target); a distilled
+    draft directory or a model path;
     ``"ngram+<any of those>"`` (prompt lookup first); ``"default"`` / ``"auto"`` (the measured
     winner for this target)."""
     if draft is None:

@@ -25,8 +25,19 @@ def target_embeddings(target: LoadedModel) -> torch.nn.Embedding:
     raise ValueError(f"target {str(target.path)!r} has no embed_tokens weight in safetensors")
 
 
-def load_distilled(folder: str | Path, target: LoadedModel, target_vocab_size: int):
-    """The draft model in ``folder`` on the target's embeddings (no copy when loaded here)."""
-    from specray.distill.student import load_draft
+def load_distilled(
+    folder: str | Path, target: LoadedModel, target_vocab_size: int, dtype: str = "auto"
+):
+    """The draft model in ``folder`` on the target's embeddings (no copy when loaded here), its
+    weights in ``dtype`` (``"fp32"``, ``"fp16"``, ``"bf16"``; ``"auto"``: whichever computes a
+    draft step's single rows fastest on this CPU, measured once per machine)."""
+    from specray.distill.student import load_draft, set_draft_dtype
+    from specray.models.linears import ROW_DTYPES, fastest_row_dtype
 
-    return load_draft(folder, target_embeddings(target), target_vocab_size, target.tokenizer)
+    if dtype != "auto" and dtype not in ROW_DTYPES:
+        raise ValueError(f"draft dtype must be 'auto' or one of {list(ROW_DTYPES)}, got {dtype!r}")
+    draft = load_draft(folder, target_embeddings(target), target_vocab_size, target.tokenizer)
+    if dtype == "auto":
+        shapes = [tuple(m.weight.shape) for m in draft.modules() if hasattr(m, "out_features")]
+        dtype = fastest_row_dtype(shapes)
+    return set_draft_dtype(draft, ROW_DTYPES[dtype])

@@ -156,9 +156,15 @@ class ModelDrafter:
                     row = encode_draft_probs(draft_probs, self.encoding)
                     encoded[request_id].append(row)
                     draft_probs = decode_draft_probs(row)
-                position = len(request.output_token_ids) + step
-                uniform = request.random.uniforms([position], Purpose.DRAFT)
-                proposals[request_id].append(int(sample_from_probs(draft_probs, uniform)))
+                if request.pipeline.params.greedy:
+                    # q is one-hot: inverse-CDF sampling returns its token for every uniform,
+                    # so the keyed draw and the cumulative sum over the vocabulary are skipped.
+                    token = int(draft_probs[0].argmax())
+                else:
+                    position = len(request.output_token_ids) + step
+                    uniform = request.random.uniforms([position], Purpose.DRAFT)
+                    token = int(sample_from_probs(draft_probs, uniform))
+                proposals[request_id].append(token)
                 probs[request_id].append(draft_probs[0])
                 profile.pipeline_s += piped - started
                 profile.sample_s += time.perf_counter() - piped

@@ -22,6 +22,8 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 from transformers import DynamicCache
 
+from specray.models.linears import tune_decoder_linears, tune_head
+
 # Model families whose logits are exactly ``lm_head(hidden)``: for them the runner computes
 # logits only for the rows it needs. Others go through the model's own forward with their head.
 _PLAIN_HEAD_TYPES = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
@@ -32,7 +34,7 @@ COMPACT_MIN_WASTED_FRACTION = 0.25  # ... and they are at least this share of al
 class ModelRunner:
     """Owns a model and the KV caches of the sequences it serves."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, *, tune: bool = True):
         self.model = model.eval()
         config = model.config
         head = model.get_output_embeddings()
@@ -41,11 +43,12 @@ class ModelRunner:
         plain_head = config.model_type in _PLAIN_HEAD_TYPES and getattr(head, "bias", None) is None
         self._decoder = model.get_decoder() if plain_head else None
         self._head = head if plain_head else None
-        # One fp32 row: a pre-transposed copy of the head is ~2x faster on CPU (13.7 -> 6.5 ms
-        # here); for several rows and for bf16 (153 ms vs 4.7 ms!) the plain linear wins.
-        linear = isinstance(head, torch.nn.Linear)
-        fast_gemv = plain_head and linear and head.weight.dtype == torch.float32
-        self._head_t = head.weight.detach().t().contiguous() if fast_gemv else None  # [H, V]
+        # Kernels and row padding for small-batch products chosen by timing this machine
+        # (models/linears.py): a 1-token step and a (k+1)-token verification then cost about
+        # the same, as memory-bound products should.
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        self.linear_tuning = tune_decoder_linears(decoder) if tune and decoder else None
+        self._tuned_head = tune_head(head) if tune and plain_head else None
         self.head_s = 0.0  # seconds in the head (logits), over the runner's life: benchmarks
         self.cache: DynamicCache | None = None
         self.seq_ids: list[Hashable] = []  # row order of the cache
@@ -230,8 +233,8 @@ class ModelRunner:
         """rows: ``[n, hidden]`` (or already ``[n, vocab]`` without a plain head)."""
         if self._head is None:
             return rows.float()
-        if self._head_t is not None and rows.shape[0] == 1:
-            return (rows @ self._head_t).float()  # [1, vocab]
+        if self._tuned_head is not None:
+            return self._tuned_head(rows).float()  # [n, vocab]
         return self._head(rows).float()  # [n, vocab]
 
     @torch.inference_mode()

@@ -210,9 +210,12 @@ def test_full_queue_refuses_at_once(tiny_backend):
 def test_cancel_and_deadline_release_worker_state(tiny_backend):
     runner = _coordinator(tiny_backend, max_running=4)
     long = SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=2)
+    # 1000 tokens take several seconds here, so this request cannot finish before its deadline
+    # however fast drafting gets (60 tokens took about 0.4 s: too close).
+    longest = SamplingParams(temperature=1.0, max_tokens=1000, ignore_eos=True, seed=3)
     try:
         cancelled = runner.submit([1, 2, 3], long, request_id="cancel-me")
-        expiring = runner.submit([3, 2, 1], long, request_id="expire-me", timeout_s=0.4)
+        expiring = runner.submit([3, 2, 1], longest, request_id="expire-me", timeout_s=0.4)
         survivor = runner.submit([2, 2], long, request_id="keep-me")
         first = next(iter(cancelled))
         assert first.token_ids, "it was running"

@@ -180,6 +180,16 @@ def test_ngram_chain_keeps_greedy_identity(tiny_target):
         Engine(tiny_target, draft="ngram+ngram")
 
 
+def test_self_auto_takes_a_half_precision_and_keeps_greedy_identity(tiny_target):
+    params = SamplingParams(temperature=0, max_tokens=12, seed=0)
+    reference = Engine(tiny_target, draft=None).generate(PROMPTS, params)
+    engine = Engine(tiny_target, draft="self:auto", num_speculative_tokens=3)
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == [
+        r.token_ids for r in reference
+    ]
+    assert engine.drafter.runner.model.dtype in (torch.float16, torch.bfloat16)
+
+
 def test_unknown_self_draft_is_named(tiny_target):
     with pytest.raises(ValueError, match="self:int4"):
         Engine(tiny_target, draft="self:int4")
@@ -233,6 +243,17 @@ def test_shipped_draft_is_small_loads_and_keeps_greedy_identity(tmp_path):
     outputs = engine.generate(PROMPTS, params)
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
     assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0
+    # In fp16 its own weights convert; the target's shared embeddings stay fp32, not copied.
+    half = Engine("default", draft="distilled:fp16", num_speculative_tokens=2)
+    outputs = half.generate(PROMPTS, params)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    draft_model = half.drafter.runner.model
+    assert draft_model.get_decoder().layers[0].mlp.up_proj.weight.dtype == torch.float16
+    target_embed = half.target.model.get_input_embeddings().weight
+    assert target_embed.dtype == torch.float32
+    assert draft_model.get_input_embeddings().weight.data_ptr() == target_embed.data_ptr()
+    with pytest.raises(ValueError, match="distilled:int4"):
+        Engine("default", draft="distilled:int4")
     other = tiny_llama(7, seed=0)
     other.save_pretrained(tmp_path / "other")
     with pytest.raises(VocabularyMismatchError, match="49152"):

@@ -1,0 +1,283 @@
+"""Small-batch linears on CPU, tuned by measurement: kernel and row padding per row count.
+
+A decode step and a verification step both multiply a handful of rows (1 token; k + 1 tokens;
+a few requests' blocks) by every weight matrix. That is memory-bound: reading the weights costs
+the same for 1 row as for 8, so verifying k + 1 tokens should cost about one decode step. The
+default GEMM path does not behave that way; oneDNN with weights packed once for this CPU does.
+Milliseconds per pass through the default target's 210 decoder linears (2 threads, weights
+streamed from memory; an AMD EPYC with AVX-512):
+
+    rows                 1     2     3     4     6     8    16
+    F.linear          34.7  49.8  57.9  45.2  59.3  47.9  57.0
+    oneDNN packed     19.3  21.4  17.0  16.3  15.6  20.7  25.8
+    head, F.linear     9.5  21.4    -   15.6  22.4  15.9    -
+    head, oneDNN       2.7   3.0   2.7   2.5   2.4   3.6   5.1
+
+Which kernel wins, and for how many rows, depends on the CPU and its libraries, so it is
+measured here: for each row count m in 1..16, every candidate kernel computing m' >= m rows
+(zeros appended, result sliced: each row of a product is computed on its own, so padding
+changes no row beyond float rounding) is timed on the model's own linears, and the cheapest
+plan is kept. Measurements are cached on disk per (CPU, threads, dtype, shapes, torch), so a
+machine pays for calibration once (a few seconds for the default target); concurrent processes
+wait for one calibration under a file lock. Models whose linears fit in cache (tiny test models)
+are left alone: nothing to gain.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MAX_TUNED_ROWS = 16  # row counts above this use the default kernel, unpadded
+MIN_TUNED_BYTES = 32 * 2**20  # linears smaller than this in all stay cache-resident: skip
+MIN_GAIN = 0.08  # leave the default plan only for one at least 8% cheaper
+CALIBRATION_REPEATS = 3
+DENSE, DENSE_T, ONEDNN = "dense", "dense_t", "onednn"  # F.linear; x @ W^T pre-transposed; packed
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def choose_plan(
+    costs_s: Mapping[str, Sequence[float]], min_gain: float = MIN_GAIN
+) -> tuple[tuple[str, int], ...]:
+    """For each row count ``m`` (``costs_s[kernel][m - 1]`` = measured seconds for ``m`` rows),
+    the (kernel, rows to compute) to use: the cheapest over every kernel and every ``m' >= m``,
+    if it is at least ``min_gain`` cheaper than the dense kernel on ``m`` rows (and a padded
+    option at least ``min_gain`` cheaper than its kernel unpadded), else ``("dense", m)``.
+    Index 0 is unused. Pure.
+
+    >>> choose_plan({"dense": [34.7, 49.8, 57.9, 45.2], "onednn": [19.3, 21.4, 17.0, 16.3]})
+    (('dense', 0), ('onednn', 4), ('onednn', 4), ('onednn', 3), ('onednn', 4))
+    """
+    dense = costs_s[DENSE]
+    plan = [(DENSE, 0)]
+    for rows in range(1, len(dense) + 1):
+        best = (dense[rows - 1], DENSE, rows)
+        for kernel, kernel_costs in costs_s.items():
+            own = kernel_costs[rows - 1]
+            option = (own, kernel, rows)  # padding must pay for itself within a kernel too
+            for other in range(rows + 1, len(kernel_costs) + 1):
+                if kernel_costs[other - 1] <= min(option[0], (1.0 - min_gain) * own):
+                    option = (kernel_costs[other - 1], kernel, other)
+            if option[0] <= min(best[0], (1.0 - min_gain) * dense[rows - 1]):
+                best = option
+        plan.append(best[1:])
+    return tuple(plan)
+
+
+class TunedLinear(nn.Module):
+    """A linear layer computing ``m`` rows the way ``plan[m]`` says (kernel, padded rows).
+
+    Keeps the original ``weight`` / ``bias`` parameters (same names, same storage: state dicts
+    and tied weights unchanged) and adds the kernel-specific copies the plan uses: a packed
+    oneDNN weight (opaque, this CPU only) and/or a pre-transposed ``[in, out]`` matrix.
+    """
+
+    def __init__(self, linear: nn.Linear, plan: tuple[tuple[str, int], ...] = ()):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # [out, in], [out]
+        self.packed = self.weight_t = None
+        self.set_plan(plan)
+
+    def set_plan(self, plan, kernels=None) -> None:
+        """Use ``plan``; build the copies for ``kernels`` (default: those the plan uses) and
+        drop the others."""
+        self.plan = tuple(plan)
+        wanted = set(kernels) if kernels is not None else {kernel for kernel, _ in self.plan}
+        weight = self.weight.detach()
+        with torch.no_grad():
+            self.packed = (
+                torch.ops.mkldnn._reorder_linear_weight(weight, None)
+                if ONEDNN in wanted and onednn_available()
+                else None
+            )
+            self.weight_t = weight.t().contiguous() if DENSE_T in wanted else None  # [in, out]
+
+    def run(self, flat: torch.Tensor, kernel: str) -> torch.Tensor:  # [rows, in] -> [rows, out]
+        if kernel == ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(
+                flat.contiguous(), self.packed, self.bias, "none", [], ""
+            )
+        if kernel == DENSE_T:
+            out = flat @ self.weight_t
+            return out if self.bias is None else out + self.bias
+        return F.linear(flat, self.weight, self.bias)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = inputs.numel() // self.in_features
+        if rows >= len(self.plan) or self.plan[rows] == (DENSE, rows):
+            return F.linear(inputs, self.weight, self.bias)
+        kernel, padded = self.plan[rows]
+        flat = inputs.reshape(rows, self.in_features)  # [rows, in]
+        if padded > rows:
+            flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])
+        out = self.run(flat, kernel)[:rows]  # [rows, out]
+        return out.reshape(*inputs.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        changed = {rows: step for rows, step in enumerate(self.plan) if step != (DENSE, rows)}
+        return f"in_features={self.in_features}, out_features={self.out_features}, plan={changed}"
+
+
+def _time_pass(linears: Sequence[TunedLinear], kernel: str, rows: int) -> float:
+    """Best-of-``CALIBRATION_REPEATS`` seconds of ``rows`` rows through every linear with
+    ``kernel``. The linears are many and large, so each pass streams weights from memory, as a
+    real forward does."""
+    inputs = {
+        lin.in_features: torch.randn(rows, lin.in_features).to(lin.weight.dtype) for lin in linears
+    }
+    best = float("inf")
+    for attempt in range(CALIBRATION_REPEATS + 1):  # the first pass warms up
+        started = time.perf_counter()
+        for linear in linears:
+            linear.run(inputs[linear.in_features], kernel)
+        if attempt:
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure_costs(linears: Sequence[TunedLinear], kernels: Sequence[str]) -> dict[str, list]:
+    """Seconds per pass for 1..MAX_TUNED_ROWS rows, per kernel."""
+    with torch.inference_mode():
+        return {
+            kernel: [_time_pass(linears, kernel, rows) for rows in range(1, MAX_TUNED_ROWS + 1)]
+            for kernel in kernels
+        }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _cached(key: list, measure) -> dict:
+    """``measure()``'s result, cached on disk under ``key`` (plus this CPU, its threads and the
+    torch version). Concurrent processes wait under a file lock and read the first one's."""
+    from specray.models.loading import cache_dir
+
+    key = [*key, _cpu_model(), torch.get_num_threads(), torch.__version__, MAX_TUNED_ROWS]
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    path = cache_dir() / "linear-tuning" / f"{digest}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return json.loads(path.read_text())["measured"]
+        except (OSError, ValueError, KeyError):
+            pass
+        measured = measure()
+        scratch = path.with_suffix(".tmp")
+        scratch.write_text(json.dumps({"measured": measured, "key": key}))
+        scratch.replace(path)
+        return measured
+
+
+def _shapes(linears: Sequence[nn.Module]) -> list:
+    return sorted({(lin.out_features, lin.in_features) for lin in linears})
+
+
+def _cached_costs(role: str, linears: Sequence[TunedLinear], kernels: Sequence[str]) -> dict:
+    def measure():
+        for linear in linears:
+            linear.set_plan((), kernels=kernels)
+        return measure_costs(linears, kernels)
+
+    dtype = str(linears[0].weight.dtype)
+    return _cached([role, dtype, len(linears), _shapes(linears), list(kernels)], measure)
+
+
+ROW_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def fastest_row_dtype(
+    shapes: Sequence[tuple[int, int]], candidates: Sequence[str] = tuple(ROW_DTYPES)
+) -> str:
+    """Of ``candidates`` (``"fp32"``, ``"fp16"``, ``"bf16"``), whichever computes one row through matrices of
+    ``shapes`` (``[out, in]`` each) fastest on this CPU, fp32 through oneDNN where it has it.
+    For a draft, whose precision changes its q but never the output's law. Measured once per
+    machine (random weights; a few hundred milliseconds)."""
+
+    def measure():
+        seconds = {}
+        with torch.inference_mode():
+            for name in candidates:
+                dtype = ROW_DTYPES[name]
+                tuned = [TunedLinear(nn.Linear(i, o, bias=False).to(dtype)) for o, i in shapes]
+                kernel = ONEDNN if dtype == torch.float32 and onednn_available() else DENSE
+                for linear in tuned:
+                    linear.set_plan((), kernels=[kernel])
+                seconds[name] = _time_pass(tuned, kernel, 1)
+        return seconds
+
+    key = ["row-dtype", [list(shape) for shape in shapes], list(candidates)]
+    seconds = _cached(key, measure)
+    return min(seconds, key=seconds.get)
+
+
+def _tune(role: str, tuned: Sequence[TunedLinear], kernels: Sequence[str]) -> dict:
+    costs_s = _cached_costs(role, tuned, kernels)  # builds every kernel's copies if it measures
+    plan = choose_plan(costs_s)
+    for linear in tuned:
+        linear.set_plan(plan)
+    return {"costs_s": costs_s, "plan": plan}
+
+
+def _eligible(linear: nn.Module) -> bool:
+    """Plain CPU fp32 linears without hooks (a tensor-parallel row-split layer carries an
+    all-reduce hook and is left alone)."""
+    return (
+        type(linear) is nn.Linear
+        and linear.weight.device.type == "cpu"
+        and linear.weight.dtype == torch.float32
+        and not linear._forward_hooks
+        and not linear._forward_pre_hooks
+    )
+
+
+def tune_decoder_linears(decoder: nn.Module, *, min_bytes: int | None = None) -> dict | None:
+    """Replace the decoder's eligible linears by ``TunedLinear`` with a measured plan; returns
+    the costs and plan (``None``: nothing eligible or too small to gain)."""
+    found = [
+        (parent, name, child)
+        for parent in decoder.modules()
+        for name, child in parent.named_children()
+        if _eligible(child)
+    ]
+    total_bytes = sum(lin.weight.numel() * lin.weight.element_size() for *_, lin in found)
+    if not found or total_bytes < (MIN_TUNED_BYTES if min_bytes is None else min_bytes):
+        return None
+    kernels = [DENSE, ONEDNN] if onednn_available() else [DENSE]
+    tuned = []
+    for parent, name, linear in found:
+        replacement = TunedLinear(linear)
+        setattr(parent, name, replacement)
+        tuned.append(replacement)
+    return _tune("decoder", tuned, kernels)
+
+
+def tune_head(head: nn.Module, *, min_bytes: int | None = None) -> TunedLinear | None:
+    """A ``TunedLinear`` computing ``head``'s logits with a measured plan (the head module
+    itself is not replaced: its weight is usually tied to the input embeddings)."""
+    head_bytes = head.weight.numel() * head.weight.element_size() if _eligible(head) else 0
+    if not head_bytes or head_bytes < (MIN_TUNED_BYTES if min_bytes is None else min_bytes):
+        return None
+    tuned = TunedLinear(head)
+    kernels = [DENSE, DENSE_T] + ([ONEDNN] if onednn_available() else [])
+    _tune("head", [tuned], kernels)
+    return tuned
