@@ -19,7 +19,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         type=_draft_arg,
         default="default",
         help="'none', 'ngram', 'self:auto|bf16|fp16|fp32|int8', 'distilled[:fp32|fp16|bf16]' "
-        "(shipped for the default target), a distilled draft or model dir / .gguf, 'ngram+<one of those>', or "
+        "(shipped for the default target), a distilled draft or model dir / .gguf, "
+        "'ngram+<one of those>', or "
         "'default' / 'auto' (the drafter `specray bench --drafters all --record` measured best)",
     )
     parser.add_argument("--k", type=int, default=4, help="speculative tokens per round")

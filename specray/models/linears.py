@@ -208,8 +208,9 @@ ROW_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 def fastest_row_dtype(
     shapes: Sequence[tuple[int, int]], candidates: Sequence[str] = tuple(ROW_DTYPES)
 ) -> str:
-    """Of ``candidates`` (``"fp32"``, ``"fp16"``, ``"bf16"``), whichever computes one row through matrices of
-    ``shapes`` (``[out, in]`` each) fastest on this CPU, fp32 through oneDNN where it has it.
+    """Of ``candidates`` (``"fp32"``, ``"fp16"``, ``"bf16"``), whichever computes one row
+    through matrices of ``shapes`` (``[out, in]`` each) fastest on this CPU, fp32 through
+    oneDNN where it has it.
     For a draft, whose precision changes its q but never the output's law. Measured once per
     machine (random weights; a few hundred milliseconds)."""
 

@@ -6,7 +6,6 @@ import pytest
 
 from tests.helpers.tiny_models import perturbed_copy, tiny_llama
 
-
 LONG_POSITIONS = 1024
 
 
