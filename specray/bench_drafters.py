@@ -24,6 +24,7 @@ import torch
 from specray.bench import _run_specray, acceptance_from_mean_length, load_prompts, time_verify
 from specray.drafters import measured_drafts_file, model_digest
 from specray.engine import Engine
+from specray.models.linears import cpu_model
 from specray.models.loading import resolve_model_dir
 from specray.sampling import SamplingParams
 
@@ -248,6 +249,7 @@ def record_winner(target: str, report: dict, path: Path | None = None) -> Path:
         "target_digest": model_digest(resolve_model_dir(target)),
         "measured": time.strftime("%Y-%m-%d"),
         "how": "specray bench --drafters all --record (held-out bench prompts, batch 1, greedy)",
+        "machine": {"cpu": cpu_model(), "torch_threads": torch.get_num_threads()},
         "winner": report["winner"],
         "rows": [
             {key: row.get(key) for key in ("draft", "k", "alpha", "speedup", "tokens_per_s")}

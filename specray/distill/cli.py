@@ -9,7 +9,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from specray.distill.config import DistillConfig
+from specray.distill.config import STDLIB, DistillConfig
 from specray.distill.pipeline import LOG_FILE, PHASES
 
 # CLI flag -> config field (every field is settable; the defaults are DistillConfig's).
@@ -38,6 +38,16 @@ def add_distill_parser(commands) -> None:
     defaults = DistillConfig()
     for field in fields(DistillConfig):
         value = getattr(defaults, field.name)
+        if isinstance(value, tuple):  # a list of paths: --local-text DIR FILE ...
+            parser.add_argument(
+                _FLAGS[field.name],
+                dest=field.name,
+                nargs="+",
+                default=None,
+                metavar="PATH",
+                help=f"files or directories ('{STDLIB}': Python's standard library; default none)",
+            )
+            continue
         kind = {bool: _bool, int: int, float: float}.get(type(value), str)
         parser.add_argument(
             _FLAGS[field.name],
@@ -63,6 +73,9 @@ def _foreground_argv(args: argparse.Namespace, explicit: set[str]) -> list[str]:
         argv += ["--stop-at-step", str(args.stop_at_step)]
     for name in sorted(explicit):
         value = getattr(args, name)
+        if isinstance(value, list):
+            argv += [_FLAGS[name], *value]
+            continue
         argv += [_FLAGS[name], str(value).lower() if isinstance(value, bool) else str(value)]
     return argv
 

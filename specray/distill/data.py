@@ -5,10 +5,18 @@ Data lives in ``DIR/data/shard-NNNNN.pt``, one shard per generation batch, writt
 a shard on disk is never recomputed, so generation resumes where it stopped. A shard's prompts,
 sampling mode and random stream depend only on the config and the shard's index, so the same
 config gives the same data whether or not the run was interrupted.
+
+Local text (when ``local_text`` is set) is a second source in the same format: text files read
+in sorted order, tokenized with the target's tokenizer, cut into chunks, and the target's top-k
+at every position of each chunk, teacher-forced (one forward per batch of chunks), in
+``DIR/data/text-NNNNN.pt``. ``DIR/data/text-manifest.json`` records what was read (files, chunk
+count, a digest of the token ids); a later session that reads other text is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 from dataclasses import asdict, dataclass
@@ -16,13 +24,18 @@ from pathlib import Path
 
 import torch
 
-from specray.distill.config import DistillConfig
+from specray.distill.config import MIN_TEXT_CHUNK, STDLIB, DistillConfig
 from specray.distill.progress import Progress
 from specray.distill.prompts import chat_and_code_prompts, passage_prompts, text_prompts
 from specray.engine import chat_token_ids
-from specray.models.runner import ModelRunner
+from specray.models.runner import PLAIN_HEAD_TYPES, ModelRunner
 
 DATA_DIR = "data"
+TEXT_MANIFEST = "text-manifest.json"
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")  # files a local-text directory contributes
+STDLIB_SUFFIXES = (".py",)  # the standard library's code and docstrings, not its data files
+SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}  # installed, not the library
+HEAD_ROWS = 512  # positions per head matmul: [512, vocab] fp32 logits, 100 MB at 49k tokens
 
 
 @dataclass
@@ -170,3 +183,158 @@ def load_sequences(shards: list[Path]) -> list[Sequence]:
     for path in shards:
         sequences.extend(_load_shard(path))
     return sequences
+
+
+# ---- local text: the target teacher-forced over text on disk ----------------------------
+
+
+def text_shard_path(folder: Path, index: int) -> Path:
+    return folder / DATA_DIR / f"text-{index:05d}.pt"
+
+
+def local_text_files(config: DistillConfig) -> list[Path]:
+    """The files local text reads, in order: the entries as given; a directory's files with a
+    text suffix (``.py`` only for ``"stdlib"``), recursively, sorted by relative path (hidden
+    folders and files, installed packages skipped); a file named twice is read once."""
+    files, seen = [], set()
+    for entry, root in zip(config.local_text, config.local_text_roots(), strict=True):
+        suffixes = STDLIB_SUFFIXES if entry == STDLIB else TEXT_SUFFIXES
+        found = [root]
+        if root.is_dir():
+            found = []
+            for directory, subdirs, names in os.walk(root):
+                subdirs[:] = [d for d in subdirs if d not in SKIPPED_DIRS and d[0] != "."]
+                found += [
+                    Path(directory) / name
+                    for name in names
+                    if name.endswith(suffixes) and name[0] != "."
+                ]
+            found.sort(key=lambda path: path.relative_to(root).as_posix())
+        for path in found:
+            if path.resolve() not in seen:
+                seen.add(path.resolve())
+                files.append(path)
+    return files
+
+
+def plan_text_chunks(tokenizer, config: DistillConfig) -> tuple[list[list[int]], list[str]]:
+    """Chunks of ``local_text_chunk`` token ids, file by file (a chunk's context is one
+    document), at most ``local_text_chunks_per_file`` from a file (0: all), until
+    ``local_text_tokens`` are taken; a piece shorter than MIN_TEXT_CHUNK (a file's tail, the
+    budget's last piece) is dropped. Returns the chunks and the files used.
+
+    Example: chunk 256, budget 600, files of 300 and 1000 tokens -> chunks of 256 and 44
+    (file 1; its tail is >= 8 tokens, so kept), then 256 and 44 (file 2: the second chunk cut
+    to the budget's last 44 tokens): 600 tokens in 4 chunks."""
+    chunks, used, budget = [], [], config.local_text_tokens
+    for path in local_text_files(config):
+        if budget < MIN_TEXT_CHUNK:
+            break
+        text = path.read_bytes().decode("utf-8", errors="replace")  # the same bytes -> same ids
+        ids = tokenizer.encode(text, add_special_tokens=False, verbose=False)
+        before, size = len(chunks), config.local_text_chunk
+        if config.local_text_chunks_per_file:
+            ids = ids[: config.local_text_chunks_per_file * size]
+        for start in range(0, len(ids), size):
+            chunk = ids[start : start + size][:budget]
+            if len(chunk) < MIN_TEXT_CHUNK:
+                break
+            chunks.append(chunk)
+            budget -= len(chunk)
+        if len(chunks) > before:
+            used.append(str(path))
+    return chunks, used
+
+
+@torch.inference_mode()
+def teacher_force_batch(model, chunks: list[list[int]], top_k: int) -> list[Sequence]:
+    """The target's top-k at every position of each chunk that has a next token: one forward of
+    the right-padded batch (attention is causal, so padding after a row's tokens changes
+    nothing before them), then the head over the real positions in slices of HEAD_ROWS."""
+    width = max(len(chunk) for chunk in chunks)
+    input_ids = torch.zeros(len(chunks), width, dtype=torch.int64)  # [batch, width]
+    mask = torch.zeros(len(chunks), width, dtype=torch.int64)  # [batch, width]
+    for row, chunk in enumerate(chunks):
+        input_ids[row, : len(chunk)] = torch.tensor(chunk)
+        mask[row, : len(chunk)] = 1
+    decoder = model.get_decoder()
+    hidden = decoder(input_ids=input_ids, attention_mask=mask).last_hidden_state  # [b, w, H]
+    # Row r's positions 0 .. len - 2 predict its tokens 1 .. len - 1.
+    rows = torch.cat([hidden[row, : len(chunk) - 1] for row, chunk in enumerate(chunks)])
+    head = model.get_output_embeddings()
+    ids, probs = [], []
+    for start in range(0, len(rows), HEAD_ROWS):
+        logits = head(rows[start : start + HEAD_ROWS]).float()  # [<= HEAD_ROWS, vocab]
+        top = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+        ids.append(top.indices.to(torch.int32))  # [<= HEAD_ROWS, top_k]
+        probs.append(top.values.to(torch.float16))
+    sizes = [len(chunk) - 1 for chunk in chunks]
+    return [
+        # Clones: a view would save the whole batch's storage with each sequence.
+        Sequence(torch.tensor(chunk), 0, chunk_ids.clone(), chunk_probs.clone())
+        for chunk, chunk_ids, chunk_probs in zip(
+            chunks, torch.cat(ids).split(sizes), torch.cat(probs).split(sizes), strict=True
+        )
+    ]
+
+
+def _check_manifest(folder: Path, manifest: dict) -> None:
+    path = folder / DATA_DIR / TEXT_MANIFEST
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved != manifest:
+            raise ValueError(
+                f"local_text reads other text than when {str(folder)!r} began ({saved['chunks']} "
+                f"chunks, {saved['tokens']} tokens then; {manifest['chunks']} chunks, "
+                f"{manifest['tokens']} tokens now): the files changed (use another --out)"
+            )
+        return
+    staging = path.with_suffix(".tmp")
+    staging.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(staging, path)
+
+
+def teacher_force_local_text(model, tokenizer, folder: Path, config: DistillConfig) -> list[Path]:
+    """Write (or finish writing) the local-text shards, one per ``gen_batch_size`` chunks;
+    returns their paths in order ([] when local text is off)."""
+    if not config.local_text:
+        return []
+    # The head is applied to the decoder's output directly: exact only where the model's
+    # logits are lm_head(hidden) (no soft-capping or scaling), as in ModelRunner.
+    if model.config.model_type not in PLAIN_HEAD_TYPES:
+        raise ValueError(
+            f"local_text needs a target whose logits are lm_head(hidden) (model types "
+            f"{sorted(PLAIN_HEAD_TYPES)}), got model_type {model.config.model_type!r}"
+        )
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    if max_positions and config.local_text_chunk > max_positions:
+        raise ValueError(
+            f"local_text_chunk must be <= the target's {max_positions} positions, got "
+            f"{config.local_text_chunk}"
+        )
+    (folder / DATA_DIR).mkdir(parents=True, exist_ok=True)
+    chunks, files = plan_text_chunks(tokenizer, config)
+    if not chunks:
+        raise ValueError(
+            f"local_text {list(config.local_text)!r} holds no text of {MIN_TEXT_CHUNK} tokens "
+            f"or more (a directory contributes its {' '.join(TEXT_SUFFIXES)} files)"
+        )
+    digest = hashlib.sha256(json.dumps(chunks).encode()).hexdigest()
+    tokens = sum(len(chunk) for chunk in chunks)
+    _check_manifest(
+        folder, {"chunks": len(chunks), "tokens": tokens, "sha256": digest, "files": files}
+    )
+    size = config.gen_batch_size
+    batches = [chunks[start : start + size] for start in range(0, len(chunks), size)]
+    missing = [
+        (i, batch) for i, batch in enumerate(batches) if not text_shard_path(folder, i).exists()
+    ]
+    done = len(chunks) - sum(len(batch) for _, batch in missing)
+    progress = Progress("data (local text)", len(chunks), "chunks", start=done, every_s=0.0)
+    written = 0
+    for index, batch in missing:
+        sequences = teacher_force_batch(model, batch, config.teacher_top_k)
+        save_atomic([asdict(sequence) for sequence in sequences], text_shard_path(folder, index))
+        written += sum(len(chunk) for chunk in batch)
+        progress.update(len(batch), f"{written} text tokens this run")
+    return [text_shard_path(folder, i) for i in range(len(batches))]

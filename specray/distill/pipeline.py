@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from specray.distill.config import CONFIG_FILE, DistillConfig
-from specray.distill.data import generate_data, load_sequences
+from specray.distill.data import generate_data, load_sequences, teacher_force_local_text
 from specray.distill.student import WEIGHTS_FILE, build_student, save_draft
 from specray.distill.train import head_vocabulary, train
 
@@ -87,27 +87,36 @@ def run_distill(
     started = time.monotonic()
     shards = generate_data(target.model, target.tokenizer, folder, config)
     sequences = load_sequences(shards)
+    text_shards = teacher_force_local_text(target.model, target.tokenizer, folder, config)
+    text_sequences = load_sequences(text_shards)
     data_s = time.monotonic() - started
     answer_tokens = sum(len(sequence.top_ids) for sequence in sequences)
+    text_tokens = sum(len(sequence.token_ids) for sequence in text_sequences)
     summary["data"] = {
         "sequences": len(sequences),
         "answer_tokens": answer_tokens,
         "shards": len(shards),
+        "local_text_sequences": len(text_sequences),
+        "local_text_tokens": text_tokens,
+        "local_text_shards": len(text_shards),
         # Wall seconds over every session of this run (a session with all shards on disk
         # only reads them).
         "seconds": round(summary.get("data", {}).get("seconds", 0.0) + data_s, 1),
     }
     log(f"data: {len(sequences)} sequences, {answer_tokens} target answer tokens")
+    if text_sequences:
+        log(f"data: {len(text_sequences)} local-text chunks, {text_tokens} tokens")
     if phase == "data":
         summary_path.write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
     vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
+    # The head covers what the target chooses in answers (what the draft serves), not text.
     vocab_ids = head_vocabulary(sequences, config.head_vocab, vocab_size, eos)
     torch.manual_seed(config.seed)
     student = build_student(target.model, config.num_layers, vocab_ids)
     started = time.monotonic()
-    result = train(student, sequences, folder, config, log, stop_at)
+    result = train(student, sequences, folder, config, log, stop_at, text_sequences)
     train_s = time.monotonic() - started
     previous = summary.get("train", {}).get("seconds", 0.0)
     result["seconds"] = round(previous + train_s, 1)

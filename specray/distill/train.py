@@ -5,6 +5,10 @@ to a constant; top-k tokens outside the head are dropped) plus cross-entropy aga
 target's likeliest token. Step ``s`` always trains on the same sequences (drawn from
 ``(seed, s)``), and a checkpoint holds the weights, the optimizer and the step, so a run resumed
 from a checkpoint ends with the same weights as an uninterrupted one.
+
+With local text, ``round(local_text_fraction * batch_sequences)`` of each batch's sequences are
+local-text chunks (every position is a target position there), the rest answers; held-out
+agreement, which picks the kept checkpoint, is measured on answers only (what the draft serves).
 """
 
 from __future__ import annotations
@@ -97,6 +101,16 @@ def losses(student, batch, config: DistillConfig):
     return loss, float(agreement)
 
 
+def draw_batch(config: DistillConfig, step: int, num_answers: int, num_text: int):
+    """Step ``step``'s batch as (answer indices, local-text indices), drawn from (seed, step)
+    only. Without local text the draw is the one made before local text existed."""
+    rng = random.Random(f"{config.seed}:batch:{step}")
+    text_size = min(round(config.local_text_fraction * config.batch_sequences), num_text)
+    size = min(config.batch_sequences - text_size, num_answers)
+    answers = rng.sample(range(num_answers), size)
+    return answers, rng.sample(range(num_text), text_size) if num_text else []
+
+
 def _learning_rate(config: DistillConfig, step: int) -> float:
     if step < config.warmup_steps:
         return config.learning_rate * (step + 1) / config.warmup_steps
@@ -128,10 +142,13 @@ def train(
     config: DistillConfig,
     log,
     stop_at: int | None = None,
+    text_sequences: list[Sequence] | None = None,
 ) -> dict:
     """Train to ``config.train_steps`` (resuming from ``folder``'s checkpoint), or only to step
-    ``stop_at`` (a time-boxed session: it checkpoints there); returns a summary."""
+    ``stop_at`` (a time-boxed session: it checkpoints there); returns a summary.
+    ``text_sequences`` (local text) are mixed into every batch, never held out."""
     train_set, held_out = split(sequences)
+    text_sequences = text_sequences or []
     if not train_set or not held_out:
         raise ValueError(
             f"distillation needs at least {VALIDATION_EVERY_NTH} sequences of data, got "
@@ -161,9 +178,8 @@ def train(
     running = []
     last = config.train_steps if stop_at is None else min(stop_at, config.train_steps)
     while step < last:
-        rng = random.Random(f"{config.seed}:batch:{step}")
-        size = min(config.batch_sequences, len(train_set))
-        chunk = [train_set[i] for i in rng.sample(range(len(train_set)), size)]
+        answers, texts = draw_batch(config, step, len(train_set), len(text_sequences))
+        chunk = [train_set[i] for i in answers] + [text_sequences[i] for i in texts]
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(config, step)
         loss, agreement = losses(student, _batch(chunk, config.max_seq_len, position_of), config)
@@ -207,6 +223,7 @@ def train(
         "best_held_out_agreement": round(best[0], 4),
         "steps": step,
         "train_sequences": len(train_set),
+        "local_text_sequences": len(text_sequences),
         "held_out_sequences": len(held_out),
         "history": history,
     }

@@ -156,7 +156,7 @@ def measure_costs(linears: Sequence[TunedLinear], kernels: Sequence[str]) -> dic
         }
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -171,7 +171,7 @@ def _cached(key: list, measure) -> dict:
     torch version). Concurrent processes wait under a file lock and read the first one's."""
     from specray.models.loading import cache_dir
 
-    key = [*key, _cpu_model(), torch.get_num_threads(), torch.__version__, MAX_TUNED_ROWS]
+    key = [*key, cpu_model(), torch.get_num_threads(), torch.__version__, MAX_TUNED_ROWS]
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     path = cache_dir() / "linear-tuning" / f"{digest}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

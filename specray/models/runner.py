@@ -26,7 +26,7 @@ from specray.models.linears import tune_decoder_linears, tune_head
 
 # Model families whose logits are exactly ``lm_head(hidden)``: for them the runner computes
 # logits only for the rows it needs. Others go through the model's own forward with their head.
-_PLAIN_HEAD_TYPES = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
+PLAIN_HEAD_TYPES = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 COMPACT_MIN_WASTED_SLOTS = 32  # compact when this many slots are wasted in the widest row ...
 COMPACT_MIN_WASTED_FRACTION = 0.25  # ... and they are at least this share of all slots
 
@@ -40,7 +40,7 @@ class ModelRunner:
         head = model.get_output_embeddings()
         # A reduced-vocabulary head (a distilled draft) reports the full size as out_features.
         self.vocab_size = int(getattr(head, "out_features", head.weight.shape[0]))
-        plain_head = config.model_type in _PLAIN_HEAD_TYPES and getattr(head, "bias", None) is None
+        plain_head = config.model_type in PLAIN_HEAD_TYPES and getattr(head, "bias", None) is None
         self._decoder = model.get_decoder() if plain_head else None
         self._head = head if plain_head else None
         # Kernels and row padding for small-batch products chosen by timing this machine
