@@ -63,7 +63,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="side-by-side speed and acceptance benchmark")
     bench.add_argument("--target", default=None, help="'default' (bundled), a dir or .gguf")
-    bench.add_argument("--k", default="ngram=4,default=8", help="N, or drafter=N pairs")
+    bench.add_argument("--k", default="ngram=4,default=4", help="N, or drafter=N pairs")
     bench.add_argument("--max-tokens", type=int, default=64)
     bench.add_argument("--num-prompts", type=int, default=None, help="24 (12 with --drafters)")
     bench.add_argument("--batch-size", type=int, default=8, help="for the batched comparison")

@@ -7,6 +7,10 @@ target worker drives it with draft blocks that arrived over gRPC. Either way a r
   3. the verification rule (greedy or stochastic, keyed draws) commits 1..n+1 tokens;
   4. the target cache rolls back the rejected suffix.
 The target cache holds every committed token except the last ("pending"), which is fed first.
+
+With ``keep_features`` (a feature-conditioned drafter) the core also keeps, per request, the
+target's final-norm hidden state h_i of every committed position in its cache: prefill gives
+h_0 .. h_{P-2}, each round the rows of pending and the accepted drafts (the rows it keeps).
 """
 
 from __future__ import annotations
@@ -142,17 +146,53 @@ Block = tuple[list[int], torch.Tensor]
 class TargetCore:
     """Owns the target runner; verifies blocks and commits tokens into request states."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, *, keep_features: bool = False):
         self.runner = runner
         self.vocab_size = runner.vocab_size
+        self.keep_features = keep_features
+        self.hidden_size = int(runner.model.config.hidden_size) if keep_features else 0
+        # Per request: h of its committed cached positions in the first rows of a buffer that
+        # doubles when full (appends stay amortised O(1); views handed out stay valid).
+        self._features: dict[Hashable, torch.Tensor] = {}  # [capacity, hidden] float32
+        self._num_features: dict[Hashable, int] = {}
 
     def prefill(self, requests: Sequence[RequestState]) -> None:
         """Cache each prompt except its last token (the first pending token)."""
         feeds = {r.request_id: r.prompt_token_ids[:-1] for r in requests}
-        self.runner.forward({key: value for key, value in feeds.items() if value}, {})
+        feeds = {key: value for key, value in feeds.items() if value}
+        if not self.keep_features:
+            self.runner.forward(feeds, {})
+            return
+        _, hidden = self.runner.forward(feeds, {}, num_hidden={k: len(v) for k, v in feeds.items()})
+        for request in requests:
+            self._num_features[request.request_id] = 0
+            if request.request_id in hidden:
+                self._append_features(request.request_id, hidden[request.request_id])
+
+    def target_features(self, request_id: Hashable) -> torch.Tensor:
+        """h_0 .. h_{T-2} of a request with T committed tokens: ``[T - 1, hidden]`` (a view)."""
+        used = self._num_features[request_id]
+        if used == 0:
+            return torch.zeros(0, self.hidden_size)
+        return self._features[request_id][:used]
+
+    def _append_features(self, request_id: Hashable, rows: torch.Tensor) -> None:
+        """rows: ``[m, hidden]``, the next committed positions' h."""
+        buffer, used = self._features.get(request_id), self._num_features[request_id]
+        if buffer is None or used + len(rows) > len(buffer):
+            capacity = max(used + len(rows), 2 * (0 if buffer is None else len(buffer)), 64)
+            grown = torch.empty(capacity, self.hidden_size)
+            if buffer is not None:
+                grown[:used] = buffer[:used]  # earlier views keep the old buffer: still valid
+            self._features[request_id] = buffer = grown
+        buffer[used : used + len(rows)] = rows
+        self._num_features[request_id] = used + len(rows)
 
     def release(self, request_ids: Sequence[Hashable]) -> None:
         self.runner.remove(request_ids)
+        for request_id in request_ids:
+            self._features.pop(request_id, None)
+            self._num_features.pop(request_id, None)
 
     def verify_round(
         self, requests: Sequence[RequestState], blocks: Mapping[Hashable, Block]
@@ -165,7 +205,12 @@ class TargetCore:
         empty: Block = ([], torch.zeros(0, self.vocab_size))
         blocks = {r.request_id: blocks.get(r.request_id, empty) for r in requests}
         feeds = {r.request_id: [r.pending_token, *blocks[r.request_id][0]] for r in requests}
-        logits = self.runner.forward(feeds, {key: len(value) for key, value in feeds.items()})
+        sizes = {key: len(value) for key, value in feeds.items()}
+        hidden = {}  # request -> h of [pending, d_1 .. d_n]: [n + 1, hidden]
+        if self.keep_features:
+            logits, hidden = self.runner.forward(feeds, sizes, num_hidden=sizes)
+        else:
+            logits = self.runner.forward(feeds, sizes)
         target_probs = [
             r.pipeline.probs(logits[r.request_id], r.output_token_ids, blocks[r.request_id][0])
             for r in requests
@@ -178,6 +223,10 @@ class TargetCore:
             request.commit(committed)
             # The cache got [pending, d_1..d_n]; keep pending and the accepted drafts.
             self.runner.rollback(request.request_id, num_draft - num_accepted)
+            if self.keep_features:  # and their h: the committed positions now cached
+                self._append_features(
+                    request.request_id, hidden[request.request_id][: num_accepted + 1]
+                )
         return results
 
     def _verify(self, requests, blocks, target_probs) -> list[list[int]]:

@@ -18,6 +18,7 @@ from specray.cluster.coordinator import Coordinator, CoordinatorConfig
 from specray.cluster.local import CoordinatorThread
 from specray.cluster.placement import PlacementConfig
 from specray.core import Block, RequestState, TargetCore, eos_token_ids
+from specray.distill.student import is_feature_conditioned_draft
 from specray.distributed import (
     DEFAULT_DRAFT_DEADLINE_S,
     DistributedBackend,
@@ -71,7 +72,8 @@ class Engine:
     draft: ``None`` (target-only), ``"ngram"`` (prompt lookup), ``"self:bf16"`` /
         ``"self:fp16"`` / ``"self:fp32"`` / ``"self:int8"`` (the target's own weights, cheaper),
         ``"distilled"`` (the draft shipped for the default target), a ``specray distill``
-        output directory, a model directory / ``.gguf`` sharing the target's tokenizer,
+        output directory (a feature-conditioned one reads the target's hidden states: in
+        process only), a model directory / ``.gguf`` sharing the target's tokenizer,
         ``"ngram+<any model draft>"`` (prompt lookup first), ``"default"`` / ``"auto"`` (the
         winner ``specray bench --drafters all --record`` measured for this target; self:bf16
         for a target never measured), or an in-memory module.
@@ -145,20 +147,23 @@ class Engine:
             raise EngineInputError(f"target must be a string or a model, got {target!r}")
         self.tokenizer = loaded.tokenizer
         self.target = ModelRunner(loaded.model)
-        self.core = TargetCore(self.target)
         self.vocab_size = self.target.vocab_size
         self.max_positions = getattr(loaded.model.config, "max_position_embeddings", None)
         self.eos_token_ids = eos_token_ids(loaded.model, self.tokenizer)
         if isinstance(draft, torch.nn.Module):
-            from specray.drafters import ModelDrafter, check_same_vocabulary
+            from specray.drafters import FeatureDrafter, ModelDrafter, check_same_vocabulary
 
             runner = ModelRunner(draft)
             check_same_vocabulary(None, None, self.vocab_size, runner.vocab_size)
-            self.drafter = ModelDrafter(runner, encoding)
+            reads_features = hasattr(draft, "embed_with_features")
+            self.drafter = (FeatureDrafter if reads_features else ModelDrafter)(runner, encoding)
         elif draft is None or isinstance(draft, str):
             self.drafter = make_drafter(draft, loaded, self.vocab_size, encoding)
         else:
             self.drafter = draft
+        # A feature-conditioned drafter reads the target's hidden states: the core keeps them.
+        keep_features = bool(getattr(self.drafter, "needs_target_features", False))
+        self.core = TargetCore(self.target, keep_features=keep_features)
         self.num_speculative_tokens = num_speculative_tokens if self.drafter else 0
 
     def _init_distributed(
@@ -168,6 +173,11 @@ class Engine:
             raise EngineInputError("a distributed engine needs target as a path or 'default'")
         if draft is not None and not isinstance(draft, str):
             raise EngineInputError("a distributed engine needs draft as a string or None")
+        if draft is not None and is_feature_conditioned_draft(draft.removeprefix("ngram+")):
+            raise EngineInputError(
+                f"draft {draft!r} is feature-conditioned: it reads the target's hidden states, "
+                "which only the in-process engine passes (use cluster=None)"
+            )
         if not isinstance(cluster, str) or not cluster:
             raise EngineInputError(f"cluster must be 'auto' or a Ray address, got {cluster!r}")
         info = load_model_info(target, param="target")
@@ -337,8 +347,10 @@ class Engine:
                 blocks[ask.request_id] = (block.token_ids, block.draft_probs)
         return blocks
 
-    @staticmethod
-    def _draft_request(request: RequestState, k: int) -> DraftRequest:
+    def _draft_request(self, request: RequestState, k: int) -> DraftRequest:
+        features = None
+        if self.core.keep_features:
+            features = self.core.target_features(request.request_id)  # [T - 1, hidden]
         return DraftRequest(
             request.request_id,
             request.prompt_token_ids,
@@ -346,4 +358,5 @@ class Engine:
             request.pipeline,
             request.random,
             k,
+            target_features=features,
         )

@@ -34,6 +34,11 @@ class DistillConfig:
     # frequent target tokens (0 = the full vocabulary).
     num_layers: int = 2
     head_vocab: int = 8192
+    # Feature-conditioned (EAGLE) student: each position also reads the target's final-norm
+    # hidden state of the position before (served in process only). Trained on the frozen
+    # target's features, computed per batch, and on its own outputs chained.
+    feature_conditioned: bool = False
+    chained_passes: int = 1  # extra passes per batch reading the previous pass's outputs
     # Data: the target's own answers to the prompt set, then its teacher-forced distributions.
     num_prompts: int = 0  # chat/code prompts answered (0 = all the templates make)
     text_prompts: bool = True  # also text work over passages the target wrote first
@@ -83,11 +88,16 @@ class DistillConfig:
             "warmup_steps",
             "threads",
             "local_text_chunks_per_file",
+            "chained_passes",
         )
         for name in non_negative:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.feature_conditioned, bool):
+            raise ValueError(
+                f"feature_conditioned must be true or false, got {self.feature_conditioned!r}"
+            )
         if not 0.0 <= self.sample_fraction <= 1.0:
             raise ValueError(f"sample_fraction must be in [0, 1], got {self.sample_fraction!r}")
         if not 0.0 < self.sample_temperature <= 2.0:

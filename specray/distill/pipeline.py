@@ -13,7 +13,7 @@ import torch
 
 from specray.distill.config import CONFIG_FILE, DistillConfig
 from specray.distill.data import generate_data, load_sequences, teacher_force_local_text
-from specray.distill.student import WEIGHTS_FILE, build_student, save_draft
+from specray.distill.student import WEIGHTS_FILE, FeatureDraftModel, build_student, save_draft
 from specray.distill.train import head_vocabulary, train
 
 PHASES = ("data", "train", "all")
@@ -39,6 +39,18 @@ def resolve_config(folder: Path, requested: DistillConfig, explicit: set[str]) -
             "(use another --out to start a new run)"
         )
     return DistillConfig(**{**asdict(saved), **changes})
+
+
+def _check_feature_target(model) -> None:
+    """The features are what the target's head reads; serving takes them from the runner,
+    which has them only where the logits are lm_head(hidden)."""
+    from specray.models.runner import PLAIN_HEAD_TYPES
+
+    if model.config.model_type not in PLAIN_HEAD_TYPES:
+        raise ValueError(
+            f"feature_conditioned needs a target whose logits are lm_head(hidden) (model types "
+            f"{sorted(PLAIN_HEAD_TYPES)}), got model_type {model.config.model_type!r}"
+        )
 
 
 class _Log:
@@ -115,8 +127,12 @@ def run_distill(
     vocab_ids = head_vocabulary(sequences, config.head_vocab, vocab_size, eos)
     torch.manual_seed(config.seed)
     student = build_student(target.model, config.num_layers, vocab_ids)
+    features_from = None  # the frozen target, whose hidden states a feature student reads
+    if config.feature_conditioned:
+        _check_feature_target(target.model)
+        student, features_from = FeatureDraftModel(student), target.model.eval()
     started = time.monotonic()
-    result = train(student, sequences, folder, config, log, stop_at, text_sequences)
+    result = train(student, sequences, folder, config, log, stop_at, text_sequences, features_from)
     train_s = time.monotonic() - started
     previous = summary.get("train", {}).get("seconds", 0.0)
     result["seconds"] = round(previous + train_s, 1)
@@ -136,6 +152,7 @@ def run_distill(
         "path": str(folder),
         "weights_bytes": (folder / WEIGHTS_FILE).stat().st_size,
         "layer_sources": student.config.specray_layer_sources,
+        "feature_conditioned": config.feature_conditioned,
     }
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     log(f"draft written to {folder} ({summary['draft']['weights_bytes']} bytes of weights)")

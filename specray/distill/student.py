@@ -7,6 +7,11 @@ and are ``-inf`` everywhere else, so q is exactly zero outside the head and veri
 exact (a token the draft cannot propose is simply never proposed; the target's residual covers
 it). The saved directory holds the layers, the head and the ids it covers; the embeddings are
 referenced from the target (``specray_draft.json``), never copied.
+
+A feature-conditioned student (:class:`FeatureDraftModel`, EAGLE: Li et al. 2024) also reads,
+at each position i, a feature f_{i-1}: the target's final-norm hidden state h_{i-1} where the
+target computed it (zeros at i = 0), else the draft's own output g_{i-1} ("chained"). Its input
+is ``fc(cat([e(x_i), f_{i-1}]))``; its marker says ``"feature_conditioned": true``.
 """
 
 from __future__ import annotations
@@ -106,6 +111,50 @@ def build_student(target: nn.Module, num_layers: int, vocab_ids: torch.Tensor | 
     return student
 
 
+class FeatureDraftModel(nn.Module):
+    """A student whose input at each position mixes the token's embedding with a feature:
+    ``fc(cat([embed(x_i), f_{i-1}]))`` -> the student's decoder -> norm -> head. The state
+    dict is the plain student's (``model.*``, ``lm_head.*``) plus ``fc.*``."""
+
+    def __init__(self, student: nn.Module, fc: nn.Linear | None = None):
+        super().__init__()
+        self.config = student.config
+        self.model = student.get_decoder()  # layers and norm; embed_tokens is the target's
+        self.lm_head = student.get_output_embeddings()
+        hidden_size = self.config.hidden_size
+        if fc is None:  # starts as the plain student: the embedding through, the feature ignored
+            fc = nn.Linear(2 * hidden_size, hidden_size)
+            with torch.no_grad():
+                fc.weight.zero_()
+                fc.weight[:, :hidden_size] = torch.eye(hidden_size)
+                fc.bias.zero_()
+        self.fc = fc
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def get_decoder(self) -> nn.Module:
+        return self.model
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def embed_with_features(self, input_ids: torch.Tensor, features: torch.Tensor):
+        """input_ids ``[b, T]``, features ``[b, T, H]`` (row t: f_{t-1}) -> ``[b, T, H]``."""
+        embeds = self.model.embed_tokens(input_ids)  # [b, T, H]
+        return self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
+
+    def forward(self, input_ids, features, attention_mask=None) -> torch.Tensor:
+        """Teacher-forced hidden states ``[b, T, H]`` (training; serving goes through the
+        runner, which passes the same ``embed_with_features`` with a KV cache)."""
+        embeds = self.embed_with_features(input_ids, features)
+        return self.model(inputs_embeds=embeds, attention_mask=attention_mask).last_hidden_state
+
+
 def trainable_state(student: nn.Module) -> dict[str, torch.Tensor]:
     """Everything the draft directory stores: all weights but the shared embeddings."""
     return {
@@ -131,6 +180,7 @@ def save_draft(student: nn.Module, folder: Path, target_source: str, tokenizer, 
         "vocab_size": int(head.out_features),
         "head_vocab": int(head.vocab_ids.numel()),
         "vocabulary_sha256": vocabulary_fingerprint(tokenizer) if tokenizer else None,
+        "feature_conditioned": isinstance(student, FeatureDraftModel),
         **info,
     }
     (folder / DRAFT_FILE).unlink(missing_ok=True)
@@ -148,6 +198,10 @@ def is_distilled_draft(path: str | Path) -> bool:
 
 def read_marker(folder: Path) -> dict:
     return json.loads((Path(folder) / DRAFT_FILE).read_text())
+
+
+def is_feature_conditioned_draft(path: str | Path) -> bool:
+    return is_distilled_draft(path) and bool(read_marker(path).get("feature_conditioned"))
 
 
 class CastEmbedding(nn.Module):
@@ -205,6 +259,8 @@ def load_draft(
     head = ReducedVocabHead(state["lm_head.weight"].float(), state["lm_head.vocab_ids"], vocab_size)
     student.set_output_embeddings(head)
     student.get_decoder().embed_tokens = embeddings  # the target's module
+    if marker.get("feature_conditioned", False):
+        student = FeatureDraftModel(student)  # its fc weights come with the rest below
     floats = {
         name: tensor.float() if tensor.is_floating_point() else tensor
         for name, tensor in state.items()
@@ -228,6 +284,8 @@ def set_draft_dtype(student, dtype: torch.dtype):
     decoder.layers.to(dtype)
     decoder.norm.to(dtype)
     student.get_output_embeddings().to(dtype)
+    if isinstance(student, FeatureDraftModel):
+        student.fc.to(dtype)
     if not isinstance(decoder.embed_tokens, CastEmbedding):
         decoder.embed_tokens = CastEmbedding(decoder.embed_tokens, dtype)
     decoder.embed_tokens.dtype = dtype

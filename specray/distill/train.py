@@ -9,6 +9,13 @@ from a checkpoint ends with the same weights as an uninterrupted one.
 With local text, ``round(local_text_fraction * batch_sequences)`` of each batch's sequences are
 local-text chunks (every position is a target position there), the rest answers; held-out
 agreement, which picks the kept checkpoint, is measured on answers only (what the draft serves).
+
+A feature-conditioned student (``feature_conditioned``) is trained on features computed on the
+fly: one teacher-forced forward of the frozen target over the batch gives h at every position;
+pass 0 reads the target's features (position i reads h_{i-1}, zeros at 0: what a round's first
+draft token reads), and each of ``chained_passes`` more passes reads the previous pass's own
+outputs, detached (what later draft tokens read). The loss is the mean over passes; agreement
+is pass 0's.
 """
 
 from __future__ import annotations
@@ -82,23 +89,49 @@ def _batch(sequences: list[Sequence], max_len: int, position_of: torch.Tensor):
     return input_ids, mask, torch.cat(where), top_ids, torch.cat(probs)
 
 
-def losses(student, batch, config: DistillConfig):
+def _shifted(features: torch.Tensor) -> torch.Tensor:
+    """``[b, T, H]`` -> ``[b, T, H]`` whose row t is row t - 1 (zeros at t = 0)."""
+    return torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)
+
+
+def student_hidden(student, input_ids, mask, config: DistillConfig, target=None):
+    """The student's final-norm hidden states ``[b, T, H]``, one per pass: one pass for a plain
+    student; for a feature-conditioned one (``target`` given), pass 0 on the target's features
+    and ``config.chained_passes`` passes on the previous pass's outputs."""
+    if target is None:
+        decoder = student.get_decoder()
+        return [decoder(input_ids=input_ids, attention_mask=mask).last_hidden_state]
+    with torch.no_grad():  # the target is frozen: its features are inputs, not parameters
+        features = target.get_decoder()(input_ids=input_ids, attention_mask=mask)
+        features = features.last_hidden_state.float()  # [b, T, H]: h_t
+    passes = []
+    for _ in range(1 + config.chained_passes):
+        hidden = student(input_ids, _shifted(features), attention_mask=mask)  # [b, T, H]
+        passes.append(hidden)
+        features = hidden.detach()  # the next pass reads g_{t-1}, as chained drafting does
+    return passes
+
+
+def losses(student, batch, config: DistillConfig, target=None):
     """(loss, agreement): agreement = share of positions where the student's top token is the
-    target's (greedy acceptance on target contexts)."""
+    target's (greedy acceptance on target contexts; pass 0 for a feature-conditioned one)."""
     input_ids, mask, where, top_ids, top_probs = batch
-    hidden = student.get_decoder()(input_ids=input_ids, attention_mask=mask).last_hidden_state
-    rows = hidden[where[:, 0], where[:, 1]]  # [n, H]
     head = student.get_output_embeddings()
-    log_q = torch.log_softmax(head.reduced(rows), dim=-1)  # [n, head_vocab]
     inside = top_ids >= 0
-    gathered = log_q.gather(1, top_ids.clamp(min=0))  # [n, k]
-    soft = -(top_probs * gathered * inside).sum(dim=1).mean()
     first = top_ids[:, 0]
-    hard_terms = -log_q.gather(1, first.clamp(min=0)[:, None]).squeeze(1)
-    hard = (hard_terms * (first >= 0)).sum() / (first >= 0).sum().clamp(min=1)
-    loss = config.soft_weight * soft + config.hard_weight * hard
-    agreement = (log_q.argmax(dim=1) == first).float().mean()
-    return loss, float(agreement)
+    total, agreement = 0.0, None
+    passes = student_hidden(student, input_ids, mask, config, target)
+    for hidden in passes:
+        rows = hidden[where[:, 0], where[:, 1]]  # [n, H]
+        log_q = torch.log_softmax(head.reduced(rows), dim=-1)  # [n, head_vocab]
+        gathered = log_q.gather(1, top_ids.clamp(min=0))  # [n, k]
+        soft = -(top_probs * gathered * inside).sum(dim=1).mean()
+        hard_terms = -log_q.gather(1, first.clamp(min=0)[:, None]).squeeze(1)
+        hard = (hard_terms * (first >= 0)).sum() / (first >= 0).sum().clamp(min=1)
+        total = total + config.soft_weight * soft + config.hard_weight * hard
+        if agreement is None:
+            agreement = (log_q.argmax(dim=1) == first).float().mean()
+    return total / len(passes), float(agreement)
 
 
 def draw_batch(config: DistillConfig, step: int, num_answers: int, num_text: int):
@@ -119,13 +152,15 @@ def _learning_rate(config: DistillConfig, step: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(student, sequences: list[Sequence], config: DistillConfig, position_of) -> float:
+def evaluate(
+    student, sequences: list[Sequence], config: DistillConfig, position_of, target=None
+) -> float:
     """Greedy agreement with the target over held-out sequences."""
     agree, total = 0.0, 0
     for start in range(0, len(sequences), config.batch_sequences):
         chunk = sequences[start : start + config.batch_sequences]
         batch = _batch(chunk, config.max_seq_len, position_of)
-        _, agreement = losses(student, batch, config)
+        _, agreement = losses(student, batch, config, target)
         agree += agreement * len(batch[2])
         total += len(batch[2])
     return agree / max(total, 1)
@@ -143,10 +178,12 @@ def train(
     log,
     stop_at: int | None = None,
     text_sequences: list[Sequence] | None = None,
+    target=None,
 ) -> dict:
     """Train to ``config.train_steps`` (resuming from ``folder``'s checkpoint), or only to step
     ``stop_at`` (a time-boxed session: it checkpoints there); returns a summary.
-    ``text_sequences`` (local text) are mixed into every batch, never held out."""
+    ``text_sequences`` (local text) are mixed into every batch, never held out. ``target`` (the
+    frozen target model) is needed by a feature-conditioned student: its features."""
     train_set, held_out = split(sequences)
     text_sequences = text_sequences or []
     if not train_set or not held_out:
@@ -164,12 +201,18 @@ def train(
     best = None  # (held-out agreement, step, weights): the draft keeps the best checkpoint
     if checkpoint_path.exists():
         checkpoint = torch.load(checkpoint_path, weights_only=True)
-        student.load_state_dict(checkpoint["student"], strict=False)
+        missing, unexpected = student.load_state_dict(checkpoint["student"], strict=False)
+        missing = [name for name in missing if "embed_tokens" not in name]
+        if missing or unexpected:
+            raise ValueError(
+                f"{checkpoint_path} holds another student (num_layers, head_vocab or "
+                "feature_conditioned changed): use another --out to start a new run"
+            )
         optimizer.load_state_dict(checkpoint["optimizer"])
         step, history, best = checkpoint["step"], checkpoint["history"], checkpoint["best"]
         log(f"resumed from {checkpoint_path} at step {step}")
     if step == 0:
-        agreement = evaluate(student.eval(), held_out, config, position_of)
+        agreement = evaluate(student.eval(), held_out, config, position_of, target)
         history.append({"step": 0, "held_out_agreement": round(agreement, 4)})
         best = (agreement, 0, _copy(trainable_state(student)))
         log(f"step 0: held-out agreement {agreement:.4f}")
@@ -182,7 +225,8 @@ def train(
         chunk = [train_set[i] for i in answers] + [text_sequences[i] for i in texts]
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(config, step)
-        loss, agreement = losses(student, _batch(chunk, config.max_seq_len, position_of), config)
+        batch = _batch(chunk, config.max_seq_len, position_of)
+        loss, agreement = losses(student, batch, config, target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
@@ -191,7 +235,7 @@ def train(
         running.append((loss.item(), agreement))
         progress.update(1, f"loss {loss.item():.3f}, batch agreement {agreement:.3f}")
         if step % config.checkpoint_every == 0 or step == last:
-            held = evaluate(student.eval(), held_out, config, position_of)
+            held = evaluate(student.eval(), held_out, config, position_of, target)
             student.train()
             mean_loss = sum(value for value, _ in running) / len(running)
             history.append(

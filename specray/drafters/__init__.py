@@ -13,6 +13,7 @@ from specray.distill.student import is_distilled_draft
 from specray.drafters.base import DraftBlock, Drafter, DraftRequest
 from specray.drafters.chain import FirstFoundDrafter
 from specray.drafters.distilled import load_distilled
+from specray.drafters.feature import FeatureDrafter
 from specray.drafters.model import ModelDrafter, VocabularyMismatchError, check_same_vocabulary
 from specray.drafters.ngram import NgramConfig, NgramDrafter, find_continuation
 from specray.models.loading import LoadedModel, load_model
@@ -139,6 +140,8 @@ def _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encode
     elif is_distilled_draft(spec):  # checks the vocabulary against the target's itself
         draft_model = load_distilled(spec, target, target_vocab_size, distilled_dtype)
         runner = ModelRunner(draft_model)
+        if hasattr(draft_model, "embed_with_features"):  # marker: "feature_conditioned": true
+            return FeatureDrafter(runner, encoding, keep_encoded=keep_encoded)
     else:
         loaded = load_model(spec, param="draft")
         runner = ModelRunner(loaded.model)
@@ -163,7 +166,7 @@ def make_drafter(
 ) -> Drafter | None:
     """``None`` (target-only); ``"ngram"``; ``"self:auto|bf16|fp16|fp32|int8"``; ``"distilled"``
     or ``"distilled:fp32|fp16|bf16"`` (the shipped draft of the default target); a distilled
-    draft directory or a model path;
+    draft directory (feature-conditioned or not: its marker says) or a model path;
     ``"ngram+<any of those>"`` (prompt lookup first); ``"default"`` / ``"auto"`` (the measured
     winner for this target)."""
     if draft is None:
@@ -180,7 +183,10 @@ def make_drafter(
         if rest in {"ngram", "", "default", MEASURED_DRAFT} or rest.startswith("ngram+"):
             raise ValueError(f"draft 'ngram+X' needs a model drafter as X, got {draft!r}")
         then = _model_drafter(rest, draft, target, target_vocab_size, encoding, keep_encoded)
-        return FirstFoundDrafter(NgramDrafter(target_vocab_size, keep_encoded=keep_encoded), then)
+        chain = FirstFoundDrafter(NgramDrafter(target_vocab_size, keep_encoded=keep_encoded), then)
+        # The engine keeps target features when the model part reads them.
+        chain.needs_target_features = getattr(then, "needs_target_features", False)
+        return chain
     return _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encoded)
 
 
@@ -190,6 +196,7 @@ __all__ = [
     "DraftBlock",
     "DraftRequest",
     "Drafter",
+    "FeatureDrafter",
     "FirstFoundDrafter",
     "ModelDrafter",
     "NgramConfig",

@@ -26,6 +26,11 @@ class DraftRequest:
     pipeline: LogitsPipeline  # the request's one logits pipeline (same as the target's)
     random: KeyedRandom  # draws keyed by (seed, output position, purpose)
     num_tokens: int  # k: the most tokens to propose this round (>= 1)
+    # Only for a drafter with ``needs_target_features``: row i is h_i, the target's final-norm
+    # hidden state at committed position i (it gave the logits for token i + 1), for every
+    # committed position but the last (the target has not run it yet). Committed rows never
+    # change, so all are sent (a view, no copy); the drafter takes the ones it needs.
+    target_features: torch.Tensor | None = None  # [len(token_ids) - 1, hidden] float32
 
     @property
     def token_ids(self) -> list[int]:

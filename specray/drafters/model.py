@@ -124,6 +124,10 @@ class ModelDrafter:
         del cached[keep:]
         return committed[keep:]
 
+    def _forward(self, feeds: dict[Hashable, list[int]]) -> dict[Hashable, torch.Tensor]:
+        """One draft step: append ``feeds`` to the cache; logits ``[1, vocab]`` of the last."""
+        return self.runner.forward(feeds, {request_id: 1 for request_id in feeds})
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftBlock]:
         feeds = {request.request_id: self._sync(request) for request in requests}
         proposals: dict[Hashable, list[int]] = {request.request_id: [] for request in requests}
@@ -138,7 +142,7 @@ class ModelDrafter:
                 }
             profile, head_before = self.profile, self.runner.head_s
             started = time.perf_counter()
-            logits = self.runner.forward(feeds, {request_id: 1 for request_id in feeds})
+            logits = self._forward(feeds)
             profile.forward_s += time.perf_counter() - started
             profile.head_s += self.runner.head_s - head_before
             profile.steps += 1

@@ -160,59 +160,103 @@ class ModelRunner:
         self,
         new_token_ids: Mapping[Hashable, Sequence[int]],
         num_logits: Mapping[Hashable, int],
-    ) -> dict[Hashable, torch.Tensor]:
+        *,
+        num_hidden: Mapping[Hashable, int] | None = None,
+        features: Mapping[Hashable, torch.Tensor] | None = None,
+    ):
         """Append tokens to sequences and return logits for the last ones.
 
         new_token_ids: seq_id -> tokens to append (unknown ids start new sequences).
         num_logits: seq_id -> how many trailing new positions need logits (1..len).
+        num_hidden: seq_id -> how many trailing new positions need their final-norm hidden
+            state (what the head reads; 1..len). Only when given, the return value is the pair
+            ``(logits, hidden)`` with hidden: seq_id -> float32 ``[num_hidden, hidden_size]``.
+        features: seq_id -> ``[len, feature_size]``, one per new token, for a model that reads
+            a feature per token beside its embedding (``embed_with_features``: a
+            feature-conditioned draft); required by such a model, refused by any other.
         Returns seq_id -> float32 logits ``[num_logits, vocab]``.
         """
+        logits, hidden = self._forward(new_token_ids, num_logits, num_hidden or {}, features)
+        return logits if num_hidden is None else (logits, hidden)
+
+    def _forward(self, new_token_ids, num_logits, num_hidden, features):
+        """:meth:`forward`'s work: returns ``(logits, hidden)`` (hidden ``{}`` unless asked)."""
+        hidden: dict[Hashable, torch.Tensor] = {}
+        reads_features = hasattr(self.model, "embed_with_features")
+        if reads_features != (features is not None):
+            raise ValueError(
+                "features must be given exactly when the model reads them (embed_with_features)"
+            )
+        if (num_hidden or features is not None) and self._decoder is None:
+            raise ValueError(
+                f"hidden states need a model whose logits are lm_head(hidden) (model types "
+                f"{sorted(PLAIN_HEAD_TYPES)}), got {self.model.config.model_type!r}"
+            )
         fresh = [seq_id for seq_id in new_token_ids if seq_id not in self.seq_ids]
         if fresh:
             self._append_rows(fresh)
         if not self.seq_ids:
-            return {}
+            return {}, hidden
         rows = len(self.seq_ids)
         counts = [len(new_token_ids.get(seq_id, ())) for seq_id in self.seq_ids]
         width = max(counts)
         if width == 0:
-            return {}
+            return {}, hidden
         for row, seq_id in enumerate(self.seq_ids):  # checked before any state changes
-            if seq_id in num_logits and not 1 <= num_logits[seq_id] <= counts[row]:
-                raise ValueError(f"num_logits for {seq_id!r} must be in [1, {counts[row]}]")
+            for name, wanted in (("num_logits", num_logits), ("num_hidden", num_hidden)):
+                if seq_id in wanted and not 1 <= wanted[seq_id] <= counts[row]:
+                    raise ValueError(f"{name} for {seq_id!r} must be in [1, {counts[row]}]")
+            if features is not None and len(features.get(seq_id, ())) != counts[row]:
+                raise ValueError(f"features for {seq_id!r} must have {counts[row]} rows")
         input_ids = torch.zeros(rows, width, dtype=torch.int64)  # [rows, width], 0 = padding
         positions = torch.zeros(rows, width, dtype=torch.int64)  # [rows, width]
         new_valid = torch.zeros(rows, width, dtype=torch.bool)  # [rows, width]
+        feature_batch = None  # [rows, width, feature_size], zeros where padding
+        if features is not None:
+            size = next(iter(features.values())).shape[-1]
+            feature_batch = torch.zeros(rows, width, size)
         for row, seq_id in enumerate(self.seq_ids):
             tokens = new_token_ids.get(seq_id, ())
             if tokens:
                 input_ids[row, : len(tokens)] = torch.as_tensor(list(tokens))
                 new_valid[row, : len(tokens)] = True
+                if feature_batch is not None:
+                    feature_batch[row, : len(tokens)] = features[seq_id]
             positions[row] = torch.arange(self.lengths[row], self.lengths[row] + width)
         valid = torch.cat([self.valid, new_valid], dim=1)  # [rows, slots + width]
         attention_mask = None if bool(valid.all()) else valid.to(torch.int64)
         if self.cache is None:
             self.cache = DynamicCache()  # full-attention layers: slots are ours to crop
-        hidden_or_logits = self._run(input_ids, positions, attention_mask, width, num_logits)
+        hidden_or_logits = self._run(input_ids, positions, attention_mask, feature_batch)
         self.valid = valid
         wanted = []  # (seq_id, row, first column, last column + 1) needing logits
         for row, seq_id in enumerate(self.seq_ids):
             self.lengths[row] += counts[row]
             if seq_id in num_logits:
                 wanted.append((seq_id, row, counts[row] - num_logits[seq_id], counts[row]))
+            if seq_id in num_hidden:  # [num_hidden, hidden_size], views of this batch
+                first = counts[row] - num_hidden[seq_id]
+                hidden[seq_id] = hidden_or_logits[row, first : counts[row]].float()
         if not wanted:
-            return {}
+            return {}, hidden
         # All requested rows through the head in one matmul: the head's weight is read once.
         selected = torch.cat([hidden_or_logits[row, start:stop] for _, row, start, stop in wanted])
         started = time.perf_counter()
         logits = self._logits(selected)  # [total rows, vocab]
         self.head_s += time.perf_counter() - started
         sizes = [stop - start for _, _, start, stop in wanted]
-        return {
-            seq_id: part for (seq_id, *_), part in zip(wanted, logits.split(sizes), strict=True)
-        }
+        parts = logits.split(sizes)
+        return {seq_id: part for (seq_id, *_), part in zip(wanted, parts, strict=True)}, hidden
 
-    def _run(self, input_ids, positions, attention_mask, width, num_logits):
+    def _run(self, input_ids, positions, attention_mask, feature_batch):
+        if feature_batch is not None:  # the model mixes each token's feature into its input
+            return self._decoder(
+                inputs_embeds=self.model.embed_with_features(input_ids, feature_batch),
+                attention_mask=attention_mask,
+                position_ids=positions,
+                cache=self.cache,
+                use_cache=True,
+            ).last_hidden_state  # [rows, width, hidden]
         if self._decoder is not None:
             return self._decoder(
                 input_ids=input_ids,
