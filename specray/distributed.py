@@ -46,6 +46,8 @@ class TargetGroup:
 
     ``group`` / ``first_bundle``: place the ranks in an existing placement group (a Serve
     replica's own, whose bundle 0 holds the replica), else one is created and owned here.
+    ``keep_features``: rank 0 keeps the target's hidden states and sends them with each
+    verdict (the drafts are feature-conditioned).
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class TargetGroup:
         *,
         group=None,
         first_bundle: int = 0,
+        keep_features: bool = False,
     ):
         import ray
         from ray.util.placement_group import placement_group
@@ -76,7 +79,14 @@ class TargetGroup:
             worker.options(
                 **placement.target_rank_options(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, first_bundle + rank),
-            ).remote(target, rank, tp_size, init_method, placement.num_threads)
+            ).remote(
+                target,
+                rank,
+                tp_size,
+                init_method,
+                placement.num_threads,
+                keep_features=keep_features,
+            )
             for rank in range(tp_size)
         ]
         self.info = ray.get([rank.info.remote() for rank in self.ranks])
@@ -110,6 +120,13 @@ class TargetGroup:
             ray.kill(actor)
         if self._owns_group:
             remove_placement_group(self.group)
+
+
+def reads_target_features(draft: str | None) -> bool:
+    """A feature-conditioned draft (alone or after ``ngram+``): its target group keeps h."""
+    from specray.distill.student import is_feature_conditioned_draft
+
+    return draft is not None and is_feature_conditioned_draft(draft.removeprefix("ngram+"))
 
 
 def start_draft_actor(target: str, draft: str, encoding: str, placement: PlacementConfig):
@@ -148,7 +165,10 @@ class DistributedBackend:
         self.placement = placement or PlacementConfig()
         self._target_spec, self._draft_spec = target, draft
         self._encoding = draft_probs_encoding
-        self.target_group = TargetGroup(target, tp_size, self.placement)
+        self.feature_conditioned = reads_target_features(draft)
+        self.target_group = TargetGroup(
+            target, tp_size, self.placement, keep_features=self.feature_conditioned
+        )
         self.target_ranks = self.target_group.ranks
         self.target_info = self.target_group.info
         self.leader = self.target_group.leader

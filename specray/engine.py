@@ -18,7 +18,6 @@ from specray.cluster.coordinator import Coordinator, CoordinatorConfig
 from specray.cluster.local import CoordinatorThread
 from specray.cluster.placement import PlacementConfig
 from specray.core import Block, RequestState, TargetCore, eos_token_ids
-from specray.distill.student import is_feature_conditioned_draft
 from specray.distributed import (
     DEFAULT_DRAFT_DEADLINE_S,
     DistributedBackend,
@@ -69,14 +68,14 @@ class Engine:
 
     target: ``"default"`` (bundled SmolLM2-135M-Instruct), a model directory, a ``.gguf`` file,
         or an in-memory ``torch.nn.Module`` causal LM (then pass ``tokenizer`` or use token ids).
-    draft: ``None`` (target-only), ``"ngram"`` (prompt lookup), ``"self:bf16"`` /
-        ``"self:fp16"`` / ``"self:fp32"`` / ``"self:int8"`` (the target's own weights, cheaper),
-        ``"distilled"`` (the draft shipped for the default target), a ``specray distill``
-        output directory (a feature-conditioned one reads the target's hidden states: in
-        process only), a model directory / ``.gguf`` sharing the target's tokenizer,
-        ``"ngram+<any model draft>"`` (prompt lookup first), ``"default"`` / ``"auto"`` (the
-        winner ``specray bench --drafters all --record`` measured for this target; self:bf16
-        for a target never measured), or an in-memory module.
+    draft: ``None`` (target-only), ``"ngram"`` (prompt lookup), ``"self:auto"`` /
+        ``"self:bf16"`` / ``"self:fp16"`` / ``"self:fp32"`` / ``"self:int8"`` (the target's own
+        weights, cheaper), ``"distilled"`` / ``"distilled:fp32|fp16|bf16"`` (the draft shipped
+        for the default target), a ``specray distill`` output directory (a feature-conditioned
+        one reads the target's hidden states), a model directory / ``.gguf`` sharing the
+        target's tokenizer, ``"ngram+<any model draft>"`` (prompt lookup first), ``"default"``
+        / ``"auto"`` (the winner ``specray bench --drafters all --record`` measured for this
+        target; ``self:auto`` for a target never measured), or an in-memory module.
     num_speculative_tokens: k, the most draft tokens verified per round (0..MAX_SPEC_LEN).
     draft_probs_encoding: how q is represented (fp32 | fp16 | bf16 | top<M>); the draft samples
         from the encoded q, so every choice is exact.
@@ -173,11 +172,6 @@ class Engine:
             raise EngineInputError("a distributed engine needs target as a path or 'default'")
         if draft is not None and not isinstance(draft, str):
             raise EngineInputError("a distributed engine needs draft as a string or None")
-        if draft is not None and is_feature_conditioned_draft(draft.removeprefix("ngram+")):
-            raise EngineInputError(
-                f"draft {draft!r} is feature-conditioned: it reads the target's hidden states, "
-                "which only the in-process engine passes (use cluster=None)"
-            )
         if not isinstance(cluster, str) or not cluster:
             raise EngineInputError(f"cluster must be 'auto' or a Ray address, got {cluster!r}")
         info = load_model_info(target, param="target")

@@ -3,6 +3,13 @@ exact encoded q they were sampled from, straight to the target group's rank 0 ov
 
 q takes one hop (draft -> target); the caller only tells the worker which requests to draft.
 The worker keeps one long-lived bidirectional stream and reopens it if it breaks.
+
+A feature-conditioned draft reads the target's hidden states h_i: each block says how many
+leading rows the worker holds for its request, and the verdict brings the rest (the reader
+thread stores them). A call may come before the verdict with the newest rows, and a fault may
+lose some: the worker waits a bounded time for them, then drafts with what it has (the drafter
+is tolerant: missing rows are chained features, recomputed when the rows come). Features only
+shape q, which the draft samples from exactly, so none of this can change the output law.
 """
 
 from __future__ import annotations
@@ -17,15 +24,28 @@ from dataclasses import dataclass
 import grpc
 
 from specray.core import RequestState
-from specray.drafters import DraftRequest, make_drafter
+from specray.drafters import DraftRequest, FeatureDrafter, make_drafter
+from specray.drafters.feature import FeatureRows
 from specray.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model_dir
 from specray.models.runner import ModelRunner
 from specray.rpc.faults import LinkFaults
-from specray.rpc.messages import block_to_pb, grpc_options
+from specray.rpc.messages import (
+    InvalidMessageError,
+    block_to_pb,
+    check_verdict_features,
+    grpc_options,
+)
 from specray.sampling import DraftProbsEncoding, EncodedDraftProbs, stack_rows
 from specray.v1 import speculation_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+# How long a propose waits for the verdict carrying a request's newest target feature rows.
+# The target writes a verdict to the stream before its round returns to the coordinator, which
+# only then asks for the next block, so the rows are normally here or a network hop away; the
+# bound only caps the cost of a verdict that never comes (a dropped block, a broken stream, a
+# restarted target): missing rows cost acceptance, never exactness, and far less than stalling
+# the target's round (its draft deadline is seconds).
+FEATURE_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -55,6 +75,23 @@ class DraftWorker:
             draft, target_ref, config_vocab, self.encoding, keep_encoded=True
         )
         self.vocab_size = config_vocab
+        self.feature_drafter = next(
+            (d for d in (self.drafter, getattr(self.drafter, "then", None))
+             if isinstance(d, FeatureDrafter)),
+            None,
+        )  # fmt: skip
+        if self.feature_drafter is not None:
+            self.feature_drafter.tolerant = True  # rows come over the network, maybe late
+        # Target feature rows per request (written by the verdict reader thread, read by
+        # propose under _features_ready), and the latest step a block was sent for.
+        self._features: dict[str, FeatureRows] = {}
+        self._features_ready = threading.Condition()
+        self._sent_step: dict[str, int] = {}
+        self.verdict_faults = LinkFaults()  # on the verdicts received; the chaos suite only
+        self.feature_rows_received = 0
+        self.feature_bytes_received = 0
+        self.feature_rows_lost = 0  # rows after a gap (lost earlier ones): asked for again
+        self.feature_waits_timed_out = 0
         # A self-draft (the target's weights at a cheaper precision) prefills with the target's
         # fp32 weights: bf16 prefill is ~4x slower on CPU, and a draft is only a proposal.
         self._prefill_source = None
@@ -91,8 +128,11 @@ class DraftWorker:
             try:
                 for verdict in responses:
                     self.verdicts_received += 1
-                    previous = self._verdict_step.get(verdict.request_id, -1)
-                    self._verdict_step[verdict.request_id] = max(previous, verdict.step)
+                    fate = self.verdict_faults.fate() if self.verdict_faults.active else 0.0
+                    if fate:
+                        threading.Timer(fate, self._take_verdict, (verdict,)).start()
+                    elif fate is not None:
+                        self._take_verdict(verdict)
             except grpc.RpcError as error:
                 log.warning("draft stream to %s closed: %s", self._target_address, error.code())
             finally:
@@ -101,6 +141,43 @@ class DraftWorker:
 
         threading.Thread(target=read_verdicts, daemon=True).start()
         self._outbox = outbox
+
+    def _take_verdict(self, verdict) -> None:
+        """Note the verdict's step (stops a draft-ahead) and store its target feature rows."""
+        if self.feature_drafter is not None:
+            self._receive_features(verdict)
+        with self._features_ready:
+            previous = self._verdict_step.get(verdict.request_id, -1)
+            self._verdict_step[verdict.request_id] = max(previous, verdict.step)
+            self._features_ready.notify_all()
+
+    def _receive_features(self, verdict) -> None:
+        """Store a verdict's target feature rows (the reader thread)."""
+        try:
+            received = check_verdict_features(verdict, self.feature_drafter.feature_size)
+        except InvalidMessageError as error:
+            log.warning("dropping invalid target features of %s: %s", verdict.request_id, error)
+            return
+        if received is None:
+            return
+        start, rows = received  # rows: [n, hidden]
+        self.feature_bytes_received += len(verdict.target_features.data)
+        with self._features_ready:
+            store = self._features.get(verdict.request_id)
+            if store is None:  # released meanwhile
+                return
+            if store.write(start, rows):
+                self.feature_rows_received += len(rows)
+            else:  # the next block declares what is held, and the target resends the rest
+                self.feature_rows_lost += len(rows)
+            self._features_ready.notify_all()
+
+    def inject_verdict_faults(
+        self, delay_s: float = 0.0, drop_fraction: float = 0.0, seed: int = 0
+    ) -> None:
+        """Delay or drop the verdicts (and the feature rows they bring) this worker receives
+        (the chaos suite); zeros turn it off."""
+        self.verdict_faults = LinkFaults(delay_s, drop_fraction, seed)
 
     def inject_link_faults(
         self, delay_s: float = 0.0, drop_fraction: float = 0.0, seed: int = 0
@@ -124,6 +201,8 @@ class DraftWorker:
             if self._outbox is None:
                 self._open_stream()
             states = [self._sync_state(item) for item in round_spec]
+            if self.feature_drafter is not None:
+                self._await_features(states)
             reused = [len(self._reusable(state)) for state in states]  # before extending
             steps = self._extend(states, [item["k"] for item in round_spec])
             sent_bytes = 0
@@ -135,11 +214,13 @@ class DraftWorker:
                     len(state.output_token_ids),
                     [entry.token_id for entry in block],
                     stack_rows([entry.encoded for entry in block]) if block else None,
+                    len(self._features.get(state.request_id, ())),
                 )
                 fate = self.link_faults.fate() if self.link_faults.active else 0.0
                 if fate is None:
                     self.blocks_dropped_by_faults += 1
                     continue
+                self._sent_step[state.request_id] = item["step"]
                 sent_bytes += message.ByteSize()
                 if fate:
                     threading.Timer(fate, self._outbox.put, (message,)).start()
@@ -187,6 +268,31 @@ class DraftWorker:
             finally:
                 self.busy_s += time.perf_counter() - started
 
+    def _await_features(self, states: list[RequestState]) -> None:
+        """Wait (at most FEATURE_WAIT_S) for rows h_0 .. h_{T-2} of requests whose last block's
+        verdict, which brings them, has not arrived yet; then draft with what is here."""
+        deadline = time.monotonic() + FEATURE_WAIT_S
+        with self._features_ready:
+            while True:
+                waiting = [
+                    state
+                    for state in states
+                    if self._verdict_step.get(state.request_id, -1)
+                    < self._sent_step.get(state.request_id, -1)
+                    and len(self._features[state.request_id]) < self._num_tokens(state) - 1
+                ]
+                remaining = deadline - time.monotonic()
+                if not waiting:
+                    return
+                if remaining <= 0:
+                    self.feature_waits_timed_out += 1
+                    return
+                self._features_ready.wait(remaining)
+
+    @staticmethod
+    def _num_tokens(state: RequestState) -> int:
+        return len(state.prompt_token_ids) + len(state.output_token_ids)
+
     def _sync_state(self, item: dict) -> RequestState:
         state = self.requests.get(item["request_id"])
         if state is not None and "prompt_token_ids" in item:
@@ -203,6 +309,11 @@ class DraftWorker:
             self.requests[state.request_id] = state
             self.speculated[state.request_id] = []
             self._spec_base[state.request_id] = 0
+            if self.feature_drafter is not None:
+                with self._features_ready:
+                    self._features[state.request_id] = FeatureRows(
+                        self.feature_drafter.feature_size
+                    )
         state.output_token_ids.extend(item["new_token_ids"])
         if len(state.output_token_ids) != item["num_committed"]:
             raise ValueError(
@@ -269,6 +380,10 @@ class DraftWorker:
 
     def _draft_request(self, state: RequestState, num_tokens: int) -> DraftRequest:
         history = [*state.output_token_ids, *self._tokens(state.request_id)]
+        features = None
+        if self.feature_drafter is not None:
+            with self._features_ready:  # rows of committed positions only: [<= T - 1, hidden]
+                features = self._features[state.request_id].view(self._num_tokens(state) - 1)
         return DraftRequest(
             state.request_id,
             state.prompt_token_ids,
@@ -276,6 +391,7 @@ class DraftWorker:
             state.pipeline,
             state.random,
             num_tokens,
+            target_features=features,
         )
 
     def _tokens(self, request_id: str) -> list[int]:
@@ -293,11 +409,14 @@ class DraftWorker:
 
     def _forget(self, request_ids: list[str]) -> None:
         self.drafter.release(request_ids)
-        for request_id in request_ids:
-            self.requests.pop(request_id, None)
-            self.speculated.pop(request_id, None)
-            self._spec_base.pop(request_id, None)
-            self._verdict_step.pop(request_id, None)
+        with self._features_ready:
+            for request_id in request_ids:
+                self.requests.pop(request_id, None)
+                self.speculated.pop(request_id, None)
+                self._spec_base.pop(request_id, None)
+                self._verdict_step.pop(request_id, None)
+                self._sent_step.pop(request_id, None)
+                self._features.pop(request_id, None)
 
     def held_requests(self) -> list[str]:
         return sorted(self.requests)
@@ -313,6 +432,12 @@ class DraftWorker:
             "bytes_sent": self.bytes_sent,
             "busy_s": self.busy_s,
             "num_requests": len(self.requests),
+            "feature_rows_received": self.feature_rows_received,
+            "feature_bytes_received": self.feature_bytes_received,
+            "feature_rows_lost": self.feature_rows_lost,
+            "feature_waits_timed_out": self.feature_waits_timed_out,
+            "feature_rows_fed": getattr(self.feature_drafter, "target_rows_fed", 0),
+            "feature_rows_without_target": getattr(self.feature_drafter, "rows_without_target", 0),
         }
 
 

@@ -21,6 +21,7 @@ from specray.models.loading import load_model
 from specray.models.runner import ModelRunner
 from specray.models.tp import apply_tp, init_process_group_cpu
 from specray.rpc.inbox import BlockInbox
+from specray.rpc.messages import features_to_pb
 from specray.rpc.server import VerifierServicer, start_server
 from specray.v1 import speculation_pb2 as pb
 
@@ -51,6 +52,7 @@ class TargetWorker:
         init_method: str,
         num_threads: int = 1,
         verifier_host: str | None = None,  # where drafts connect; None: this node's address
+        keep_features: bool = False,  # a feature-conditioned draft: verdicts carry h rows
     ):
         torch.set_num_threads(num_threads)
         self.rank, self.world_size = rank, world_size
@@ -66,7 +68,11 @@ class TargetWorker:
             from specray.actors.tp_group import LeaderRunner
 
             runner = LeaderRunner(self.runner) if world_size > 1 else self.runner
-            self.core = TargetCore(runner)
+            # Only the leader keeps features: followers run the same forwards, compute no
+            # logits and send nothing, so they are unaffected.
+            self.core = TargetCore(runner, keep_features=keep_features)
+            self.feature_rows_sent = 0
+            self.feature_bytes_sent = 0
             self.requests: dict[str, RequestState] = {}
             self.inbox = BlockInbox()
             # Plaintext and unauthenticated (an internal port): bound to the cluster network
@@ -127,11 +133,13 @@ class TargetWorker:
         prefill_s = waited - prefill_started
         arrived = self.inbox.take(keys, time.monotonic() + draft_deadline_s) if keys else {}
         wait_s = time.perf_counter() - waited
-        blocks, dropped = {}, {}
+        blocks, dropped, held_rows = {}, {}, {}
         for key, value in arrived.items():
             if isinstance(value, str):
                 dropped[key[0]] = value
-            elif value.num_committed != len(self.requests[key[0]].output_token_ids):
+                continue
+            held_rows[key[0]] = value.num_target_features
+            if value.num_committed != len(self.requests[key[0]].output_token_ids):
                 dropped[key[0]] = "stale: drafted from other committed tokens"
             else:
                 blocks[key[0]] = (value.token_ids, value.draft_probs)
@@ -144,14 +152,15 @@ class TargetWorker:
             num_draft = len(blocks.get(state.request_id, ([],))[0])
             reply = self.inbox.reply_to((state.request_id, item["step"]))
             if reply is not None:
-                reply(
-                    pb.Verdict(
-                        request_id=state.request_id,
-                        step=item["step"],
-                        num_accepted=len(tokens) - 1,
-                        token_ids=tokens,
-                    )
+                verdict = pb.Verdict(
+                    request_id=state.request_id,
+                    step=item["step"],
+                    num_accepted=len(tokens) - 1,
+                    token_ids=tokens,
                 )
+                if self.core.keep_features and not state.finish_reason:
+                    self._attach_features(verdict, held_rows.get(state.request_id, 0))
+                reply(verdict)
             results.append(
                 {
                     "request_id": state.request_id,
@@ -172,6 +181,16 @@ class TargetWorker:
             "prefill_s": prefill_s,
             "service_s": service_s,
         }
+
+    def _attach_features(self, verdict: pb.Verdict, held: int) -> None:
+        """The rows the draft lacks: after the ``held`` it says it has (stateless here, so a
+        restarted draft or target, or a lost verdict, is repaired by the next block)."""
+        features = self.core.target_features(verdict.request_id)  # [T - 1, hidden]
+        start = min(held, len(features))
+        if start < len(features):
+            features_to_pb(verdict, features[start:], start)
+            self.feature_rows_sent += len(features) - start
+            self.feature_bytes_sent += len(verdict.target_features.data)
 
     @staticmethod
     def _replay_view(state: RequestState) -> RequestState:
@@ -208,7 +227,10 @@ class TargetWorker:
 
     @ray.method(concurrency_group="control")
     def inbox_stats(self) -> dict:
-        return dict(self.inbox.stats.__dict__)
+        return dict(self.inbox.stats.__dict__) | {
+            "feature_rows_sent": self.feature_rows_sent,
+            "feature_bytes_sent": self.feature_bytes_sent,
+        }
 
     def stop(self) -> None:
         """Stop the followers' loops (rank 0) and the gRPC server."""

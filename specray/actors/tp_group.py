@@ -77,6 +77,7 @@ class LeaderRunner:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self.model = runner.model
         self.vocab_size = runner.vocab_size
         self._ops: list = []  # local edits not yet sent to the followers
 
@@ -87,13 +88,19 @@ class LeaderRunner:
         return self.runner.length(seq_id)
 
     def forward(
-        self, new_token_ids: Mapping[Hashable, Sequence[int]], num_logits: Mapping[Hashable, int]
-    ) -> dict[Hashable, torch.Tensor]:
+        self,
+        new_token_ids: Mapping[Hashable, Sequence[int]],
+        num_logits: Mapping[Hashable, int],
+        *,
+        num_hidden: Mapping[Hashable, int] | None = None,
+    ):
+        """As ModelRunner.forward; ``num_hidden`` (target features) is rank 0's alone: the
+        final-norm hidden state is whole after the last all-reduce, followers need none."""
         feeds = {seq_id: list(tokens) for seq_id, tokens in new_token_ids.items()}
         command = {"op": "forward", "ops": self._ops, "feeds": feeds}
         _broadcast_bytes(msgpack.packb(command))
         self._ops = []
-        return self.runner.forward(feeds, num_logits)
+        return self.runner.forward(feeds, num_logits, num_hidden=num_hidden)
 
     time_forward = ModelRunner.time_forward  # through forward(): the followers run it too
 

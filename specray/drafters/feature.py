@@ -18,6 +18,14 @@ chained. Example, prompt of 4 tokens (h_0..h_2 from prefill), k = 3:
   [h_3, h_4]; draft chained from t.
 Sampling, q and the keyed draws are ModelDrafter's, unchanged: the draft samples from exactly
 the q it returns, so verification stays exact whatever the features are.
+
+Tolerant mode (a draft worker, whose rows arrive with the target's verdicts, over the network):
+a call may carry fewer rows than the committed tokens need, h_0 .. h_{m-1} with m <= T - 1
+(a verdict not yet arrived or lost; the worker's own drafts past the committed tokens). Position
+i then reads h_{i-1} when i - 1 < m, else g_{i-1} when the cache held that position with the
+same token (chained, as when it was drafted), else zeros. Positions past m are not "from target
+features": they are recomputed once their rows arrive, and only then (recomputing without new
+rows would change nothing). With every row present this is the strict rule above, step for step.
 """
 
 from __future__ import annotations
@@ -32,6 +40,46 @@ from specray.models.runner import ModelRunner
 from specray.sampling import DraftProbsEncoding
 
 
+class FeatureRows:
+    """One request's feature rows by position, a contiguous prefix (rows 0 .. len - 1) in a
+    buffer that doubles when full. Rows already held are never overwritten (a committed
+    position's row never changes), so views handed out stay valid while rows are added.
+
+    Example: write(0, 3 rows) -> len 3; write(2, 2 rows) -> len 4 (row 2 kept, row 3 added);
+    write(6, 1 row) -> False, len 4 (rows 4 and 5 are missing: a gap is never stored).
+    """
+
+    def __init__(self, feature_size: int):
+        self.feature_size = feature_size
+        self._buffer = torch.empty(0, feature_size)  # [capacity, feature_size] float32
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def write(self, start: int, rows: torch.Tensor) -> bool:
+        """rows: ``[n, feature_size]``, positions start .. start + n - 1. False (nothing stored)
+        when start > len: the rows in between were lost, and a prefix has no holes."""
+        if start > self._count:
+            return False
+        new = rows[self._count - start :]  # [n', feature_size]: skip rows already held
+        end = self._count + len(new)
+        if end > len(self._buffer):
+            grown = torch.empty(max(end, 2 * len(self._buffer), 64), self.feature_size)
+            grown[: self._count] = self._buffer[: self._count]  # old views keep the old buffer
+            self._buffer = grown
+        self._buffer[self._count : end] = new
+        self._count = end
+        return True
+
+    def truncate(self, count: int) -> None:
+        self._count = min(self._count, count)
+
+    def view(self, count: int | None = None) -> torch.Tensor:
+        """The first ``min(count, len)`` rows (all by default): ``[n, feature_size]``, no copy."""
+        return self._buffer[: self._count if count is None else min(count, self._count)]
+
+
 class FeatureDrafter(ModelDrafter):
     """A :class:`ModelDrafter` whose model reads a feature per token (``embed_with_features``,
     e.g. :class:`specray.distill.student.FeatureDraftModel`)."""
@@ -39,7 +87,12 @@ class FeatureDrafter(ModelDrafter):
     needs_target_features = True  # the engine keeps h per request and sends it in DraftRequest
 
     def __init__(
-        self, runner: ModelRunner, encoding: DraftProbsEncoding, *, keep_encoded: bool = False
+        self,
+        runner: ModelRunner,
+        encoding: DraftProbsEncoding,
+        *,
+        keep_encoded: bool = False,
+        tolerant: bool = False,  # accept fewer target rows than committed (a draft worker)
     ):
         if not hasattr(runner.model, "embed_with_features"):
             raise ValueError(
@@ -47,52 +100,76 @@ class FeatureDrafter(ModelDrafter):
             )
         super().__init__(runner, encoding, keep_encoded=keep_encoded)
         self.feature_size = int(runner.model.config.hidden_size)
+        self.tolerant = tolerant
         # Leading cached positions computed from target features, per request.
         self._num_from_target: dict[Hashable, int] = {}
+        # g_i, the draft's own final-norm output at each cached position: [len(cached), hidden].
+        self._chained: dict[Hashable, FeatureRows] = {}
         self._next_features: dict[Hashable, torch.Tensor] = {}  # [len(next feed), hidden]
         self.target_rows_fed = 0  # target feature rows fed, over the drafter's life (tests)
+        self.rows_without_target = 0  # positions fed with chained features or zeros instead
 
     def prefill(self, requests: Sequence[DraftRequest], source=None) -> None:
         """Nothing ahead of time: the first :meth:`propose` feeds the prompt, which needs the
         target's features of the prompt."""
 
     def _sync(self, request: DraftRequest) -> list[int]:
-        """Roll back to the committed prefix cached from target features; return the committed
-        tokens to feed (>= 1) and stage their features f_{i-1}."""
+        """Roll back to the committed prefix cached from target features (where newer rows can
+        improve it); return the committed tokens to feed (>= 1) and stage their features."""
         request_id, committed = request.request_id, request.token_ids
-        features = request.target_features  # [T - 1, hidden]
-        expected = (len(committed) - 1, self.feature_size)
-        if features is None or tuple(features.shape) != expected:
+        features = request.target_features  # [m, hidden], m = T - 1 unless tolerant
+        full = len(committed) - 1
+        num_rows = 0 if features is None else len(features)
+        strict_ok = features is not None and tuple(features.shape) == (full, self.feature_size)
+        tolerant_ok = features is None or (
+            features.dim() == 2 and features.shape[1] == self.feature_size and num_rows <= full
+        )
+        if not (strict_ok or (self.tolerant and tolerant_ok)):
             got = None if features is None else tuple(features.shape)
             raise ValueError(
-                f"target_features of request {request_id!r} must have shape {expected} (one "
-                f"target hidden state per committed position but the last), got {got}; a "
-                "feature-conditioned draft runs in process only (Engine without cluster)"
+                f"target_features of request {request_id!r} must have shape "
+                f"{(full, self.feature_size)} (one target hidden state per committed position "
+                f"but the last), got {got}"
             )
         cached = self._cached.setdefault(request_id, [])
-        keep = min(
-            _common_prefix(cached, committed),
-            self._num_from_target.get(request_id, 0),
-            len(committed) - 1,  # feed >= 1 token
-        )
+        chained = self._chained.setdefault(request_id, FeatureRows(self.feature_size))
+        from_target = self._num_from_target.get(request_id, 0)
+        common = _common_prefix(cached, committed)
+        keep = min(common, full)  # feed >= 1 token
+        if num_rows >= from_target:  # position from_target's row (h_{from_target-1}) is here
+            keep = min(keep, from_target)
         if request_id in self.runner:
             self.runner.rollback(request_id, len(cached) - keep)
         del cached[keep:]
-        # Position i reads f_{i-1} = h_{i-1}; position 0 reads zeros.
-        rows = features[max(keep - 1, 0) :]  # [T - max(keep - 1, 0) - 1, hidden]
-        self.target_rows_fed += len(rows)
-        if keep == 0:
-            rows = torch.cat([rows.new_zeros(1, self.feature_size), rows])
-        self._next_features[request_id] = rows  # [T - keep, hidden]
-        self._num_from_target[request_id] = len(committed)
+        # Position i reads f_{i-1}: h_{i-1} (i - 1 < m), else g_{i-1} if cached with the same
+        # token before this call, else zeros (always at i = 0).
+        staged = torch.zeros(len(committed) - keep, self.feature_size)  # [T - keep, hidden]
+        first, from_rows = max(keep, 1), min(len(committed), num_rows + 1)
+        if from_rows > first:
+            staged[first - keep : from_rows - keep] = features[first - 1 : from_rows - 1]
+        self.target_rows_fed += max(from_rows - first, 0)
+        first_chained = max(first, from_rows)
+        end_chained = min(len(committed), common + 1, len(chained) + 1)
+        if end_chained > first_chained:
+            g_rows = chained.view()[first_chained - 1 : end_chained - 1]
+            staged[first_chained - keep : end_chained - keep] = g_rows
+        self.rows_without_target += len(committed) - max(first, from_rows)
+        chained.truncate(keep)
+        self._next_features[request_id] = staged
+        if keep <= from_target:  # the prefix from target features continues through the feed
+            self._num_from_target[request_id] = max(keep, from_rows)
         return committed[keep:]
 
     def _forward(self, feeds: dict[Hashable, list[int]]) -> dict[Hashable, torch.Tensor]:
         ones = {request_id: 1 for request_id in feeds}
+        sizes = {request_id: len(tokens) for request_id, tokens in feeds.items()}
         features = {request_id: self._next_features[request_id] for request_id in feeds}
-        logits, hidden = self.runner.forward(feeds, ones, num_hidden=ones, features=features)
-        # Chained: the next position (this step's draft token) reads this one's output g.
-        self._next_features.update(hidden)  # each [1, hidden]
+        logits, hidden = self.runner.forward(feeds, ones, num_hidden=sizes, features=features)
+        for request_id, rows in hidden.items():  # each [len(feed), hidden]
+            chained = self._chained[request_id]
+            chained.write(len(chained), rows)
+            # Chained: the next position (this step's draft token) reads this one's output g.
+            self._next_features[request_id] = rows[-1:]
         return logits
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftBlock]:
@@ -105,3 +182,4 @@ class FeatureDrafter(ModelDrafter):
         super().release(request_ids)
         for request_id in request_ids:
             self._num_from_target.pop(request_id, None)
+            self._chained.pop(request_id, None)

@@ -43,6 +43,7 @@ class CheckedBlock:
     num_committed: int
     token_ids: list[int]  # [k]
     draft_probs: torch.Tensor  # [k, vocab] float32, rows sum to 1
+    num_target_features: int = 0  # leading target feature rows the draft holds (FC drafts)
 
 
 def _tensor_to_pb(tensor: WireTensor) -> pb.Tensor:
@@ -62,9 +63,15 @@ def block_to_pb(
     num_committed: int,
     token_ids: list[int],
     encoded: EncodedDraftProbs | None,  # [k, ...]: the bytes q was decoded from, unchanged
+    num_target_features: int = 0,
 ) -> pb.DraftBlock:
     if encoded is None:  # an empty block: nothing proposed this round
-        return pb.DraftBlock(request_id=request_id, step=step, num_committed=num_committed)
+        return pb.DraftBlock(
+            request_id=request_id,
+            step=step,
+            num_committed=num_committed,
+            num_target_features=num_target_features,
+        )
     probs = pb.DraftProbs(
         encoding=encoded.encoding,
         vocab_size=encoded.vocab_size,
@@ -78,6 +85,7 @@ def block_to_pb(
         num_committed=num_committed,
         token_ids=token_ids,
         draft_probs=probs,
+        num_target_features=num_target_features,
     )
 
 
@@ -91,7 +99,14 @@ def check_block(message: pb.DraftBlock, vocab_size: int) -> CheckedBlock:
         raise InvalidMessageError(f"k must be in [0, {MAX_SPEC_LEN}], got {k}")
     if k == 0:  # the draft had nothing to propose: this round runs target-only, no waiting
         empty = torch.zeros(0, vocab_size)
-        return CheckedBlock(message.request_id, message.step, message.num_committed, [], empty)
+        return CheckedBlock(
+            message.request_id,
+            message.step,
+            message.num_committed,
+            [],
+            empty,
+            message.num_target_features,
+        )
     bad = [token_id for token_id in token_ids if not 0 <= token_id < vocab_size]
     if bad:
         raise InvalidMessageError(f"token_ids holds {bad[0]}, outside [0, {vocab_size})")
@@ -148,8 +163,41 @@ def check_block(message: pb.DraftBlock, vocab_size: int) -> CheckedBlock:
         position = int((at_draft <= 0).nonzero()[0])
         raise InvalidMessageError(f"draft_probs is 0 at drafted token {position} (q(d) > 0)")
     return CheckedBlock(
-        message.request_id, message.step, message.num_committed, token_ids, draft_probs
+        message.request_id,
+        message.step,
+        message.num_committed,
+        token_ids,
+        draft_probs,
+        message.num_target_features,
     )
+
+
+def features_to_pb(verdict: pb.Verdict, rows: torch.Tensor, start: int) -> None:
+    """Attach target feature rows ``[n, hidden]`` (positions start .. start + n - 1) to a
+    verdict, as bfloat16: they only steer the draft (see the proto)."""
+    wire = WireTensor.from_tensor(rows.to(torch.bfloat16))
+    verdict.target_features.CopyFrom(_tensor_to_pb(wire))
+    verdict.features_start = start
+
+
+def check_verdict_features(
+    verdict: pb.Verdict, feature_size: int
+) -> tuple[int, torch.Tensor] | None:
+    """The verdict's target feature rows as ``(start, [n, feature_size] float32)``, None when
+    it carries none; InvalidMessageError when they are malformed or not finite."""
+    if not verdict.HasField("target_features"):
+        return None
+    rows = _tensor_from_pb(verdict.target_features, "target_features")
+    if rows.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise InvalidMessageError(f"target_features must be floating point, got {rows.dtype}")
+    if rows.dim() != 2 or rows.shape[1] != feature_size:
+        raise InvalidMessageError(
+            f"target_features must have shape [n, {feature_size}], got {tuple(rows.shape)}"
+        )
+    rows = rows.float()
+    if not bool(torch.isfinite(rows).all()):
+        raise InvalidMessageError("target_features must be finite")
+    return verdict.features_start, rows
 
 
 def grpc_options() -> list[tuple[str, int]]:

@@ -59,7 +59,7 @@ class TargetWorkerDeployment:
     async def __init__(self, args: dict):
         import ray
 
-        from specray.distributed import TargetGroup
+        from specray.distributed import TargetGroup, reads_target_features
 
         self.args = AppArgs(**args)
         self.group_id = _replica_id()
@@ -67,7 +67,13 @@ class TargetWorkerDeployment:
         pg = ray.util.get_current_placement_group()
         self.group = await _in_thread(
             lambda: TargetGroup(
-                self.args.target, self.args.tp_size, self.args.placement(), group=pg, first_bundle=1
+                self.args.target,
+                self.args.tp_size,
+                self.args.placement(),
+                group=pg,
+                first_bundle=1,
+                # A feature-conditioned draft reads the target's hidden states with each verdict.
+                keep_features=reads_target_features(self.args.draft),
             )
         )
         await self._register()

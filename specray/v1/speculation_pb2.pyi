@@ -29,32 +29,38 @@ class DraftProbs(_message.Message):
     def __init__(self, encoding: _Optional[str] = ..., vocab_size: _Optional[int] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("request_id", "step", "num_committed", "token_ids", "draft_probs")
+    __slots__ = ("request_id", "step", "num_committed", "token_ids", "draft_probs", "num_target_features")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     step: int
     num_committed: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: DraftProbs
-    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., num_committed: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[DraftProbs, _Mapping]] = ...) -> None: ...
+    num_target_features: int
+    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., num_committed: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., num_target_features: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("request_id", "step", "num_accepted", "token_ids", "dropped_reason")
+    __slots__ = ("request_id", "step", "num_accepted", "token_ids", "dropped_reason", "target_features", "features_start")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_REASON_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_START_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     step: int
     num_accepted: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     dropped_reason: str
-    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., dropped_reason: _Optional[str] = ...) -> None: ...
+    target_features: Tensor
+    features_start: int
+    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., dropped_reason: _Optional[str] = ..., target_features: _Optional[_Union[Tensor, _Mapping]] = ..., features_start: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
