@@ -218,10 +218,13 @@ def test_background_run_writes_its_log_and_draft(tiny_target, tmp_path, capsys):
     argv += ["--num-layers", "1", "--text-prompts", "false", "--batch-sequences", "4"]
     assert main([*argv, "--background"]) == 0
     assert "in the background (pid" in capsys.readouterr().out
-    deadline = time.monotonic() + 120
-    while not (out / "specray_draft.json").exists() and time.monotonic() < deadline:
+    log_file, deadline = out / "distill.log", time.monotonic() + 120
+    # The draft's files appear before its last log line: wait for that line, not the files.
+    while time.monotonic() < deadline:
+        if log_file.exists() and "draft written to" in log_file.read_text():
+            break
         time.sleep(0.5)
-    log = (out / "distill.log").read_text()
+    log = log_file.read_text()
     assert (out / "specray_draft.json").exists(), log[-2000:]
     assert "distill train:" in log and "draft written to" in log
 
