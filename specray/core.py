@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specray.feature_rows import FeatureRows
 from specray.models.runner import ModelRunner
 from specray.outputs import RequestOutput, SpecDecodeMetrics
 from specray.sampling import (
@@ -151,10 +152,7 @@ class TargetCore:
         self.vocab_size = runner.vocab_size
         self.keep_features = keep_features
         self.hidden_size = int(runner.model.config.hidden_size) if keep_features else 0
-        # Per request: h of its committed cached positions in the first rows of a buffer that
-        # doubles when full (appends stay amortised O(1); views handed out stay valid).
-        self._features: dict[Hashable, torch.Tensor] = {}  # [capacity, hidden] float32
-        self._num_features: dict[Hashable, int] = {}
+        self._features: dict[Hashable, FeatureRows] = {}  # h of committed cached positions
 
     def prefill(self, requests: Sequence[RequestState]) -> None:
         """Cache each prompt except its last token (the first pending token)."""
@@ -165,34 +163,18 @@ class TargetCore:
             return
         _, hidden = self.runner.forward(feeds, {}, num_hidden={k: len(v) for k, v in feeds.items()})
         for request in requests:
-            self._num_features[request.request_id] = 0
+            store = self._features[request.request_id] = FeatureRows(self.hidden_size)
             if request.request_id in hidden:
-                self._append_features(request.request_id, hidden[request.request_id])
+                store.write(0, hidden[request.request_id])
 
     def target_features(self, request_id: Hashable) -> torch.Tensor:
         """h_0 .. h_{T-2} of a request with T committed tokens: ``[T - 1, hidden]`` (a view)."""
-        used = self._num_features[request_id]
-        if used == 0:
-            return torch.zeros(0, self.hidden_size)
-        return self._features[request_id][:used]
-
-    def _append_features(self, request_id: Hashable, rows: torch.Tensor) -> None:
-        """rows: ``[m, hidden]``, the next committed positions' h."""
-        buffer, used = self._features.get(request_id), self._num_features[request_id]
-        if buffer is None or used + len(rows) > len(buffer):
-            capacity = max(used + len(rows), 2 * (0 if buffer is None else len(buffer)), 64)
-            grown = torch.empty(capacity, self.hidden_size)
-            if buffer is not None:
-                grown[:used] = buffer[:used]  # earlier views keep the old buffer: still valid
-            self._features[request_id] = buffer = grown
-        buffer[used : used + len(rows)] = rows
-        self._num_features[request_id] = used + len(rows)
+        return self._features[request_id].view()
 
     def release(self, request_ids: Sequence[Hashable]) -> None:
         self.runner.remove(request_ids)
         for request_id in request_ids:
             self._features.pop(request_id, None)
-            self._num_features.pop(request_id, None)
 
     def verify_round(
         self, requests: Sequence[RequestState], blocks: Mapping[Hashable, Block]
@@ -224,9 +206,8 @@ class TargetCore:
             # The cache got [pending, d_1..d_n]; keep pending and the accepted drafts.
             self.runner.rollback(request.request_id, num_draft - num_accepted)
             if self.keep_features:  # and their h: the committed positions now cached
-                self._append_features(
-                    request.request_id, hidden[request.request_id][: num_accepted + 1]
-                )
+                store = self._features[request.request_id]
+                store.write(len(store), hidden[request.request_id][: num_accepted + 1])
         return results
 
     def _verify(self, requests, blocks, target_probs) -> list[list[int]]:

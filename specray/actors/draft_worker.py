@@ -25,7 +25,7 @@ import grpc
 
 from specray.core import RequestState
 from specray.drafters import DraftRequest, FeatureDrafter, make_drafter
-from specray.drafters.feature import FeatureRows
+from specray.feature_rows import FeatureRows
 from specray.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model_dir
 from specray.models.runner import ModelRunner
 from specray.rpc.faults import LinkFaults

@@ -28,7 +28,7 @@ from specray.distill.config import MIN_TEXT_CHUNK, STDLIB, DistillConfig
 from specray.distill.progress import Progress
 from specray.distill.prompts import chat_and_code_prompts, passage_prompts, text_prompts
 from specray.engine import chat_token_ids
-from specray.models.runner import PLAIN_HEAD_TYPES, ModelRunner
+from specray.models.runner import ModelRunner, require_plain_head
 
 DATA_DIR = "data"
 TEXT_MANIFEST = "text-manifest.json"
@@ -301,11 +301,7 @@ def teacher_force_local_text(model, tokenizer, folder: Path, config: DistillConf
         return []
     # The head is applied to the decoder's output directly: exact only where the model's
     # logits are lm_head(hidden) (no soft-capping or scaling), as in ModelRunner.
-    if model.config.model_type not in PLAIN_HEAD_TYPES:
-        raise ValueError(
-            f"local_text needs a target whose logits are lm_head(hidden) (model types "
-            f"{sorted(PLAIN_HEAD_TYPES)}), got model_type {model.config.model_type!r}"
-        )
+    require_plain_head(model, "local_text")
     max_positions = getattr(model.config, "max_position_embeddings", None)
     if max_positions and config.local_text_chunk > max_positions:
         raise ValueError(

@@ -15,6 +15,7 @@ from specray.distill.config import CONFIG_FILE, DistillConfig
 from specray.distill.data import generate_data, load_sequences, teacher_force_local_text
 from specray.distill.student import WEIGHTS_FILE, FeatureDraftModel, build_student, save_draft
 from specray.distill.train import head_vocabulary, train
+from specray.models.runner import require_plain_head
 
 PHASES = ("data", "train", "all")
 LOG_FILE = "distill.log"
@@ -39,18 +40,6 @@ def resolve_config(folder: Path, requested: DistillConfig, explicit: set[str]) -
             "(use another --out to start a new run)"
         )
     return DistillConfig(**{**asdict(saved), **changes})
-
-
-def _check_feature_target(model) -> None:
-    """The features are what the target's head reads; serving takes them from the runner,
-    which has them only where the logits are lm_head(hidden)."""
-    from specray.models.runner import PLAIN_HEAD_TYPES
-
-    if model.config.model_type not in PLAIN_HEAD_TYPES:
-        raise ValueError(
-            f"feature_conditioned needs a target whose logits are lm_head(hidden) (model types "
-            f"{sorted(PLAIN_HEAD_TYPES)}), got model_type {model.config.model_type!r}"
-        )
 
 
 class _Log:
@@ -129,7 +118,8 @@ def run_distill(
     student = build_student(target.model, config.num_layers, vocab_ids)
     features_from = None  # the frozen target, whose hidden states a feature student reads
     if config.feature_conditioned:
-        _check_feature_target(target.model)
+        # The features are what the target's head reads: serving takes them from the runner.
+        require_plain_head(target.model, "feature_conditioned")
         student, features_from = FeatureDraftModel(student), target.model.eval()
     started = time.monotonic()
     result = train(student, sequences, folder, config, log, stop_at, text_sequences, features_from)

@@ -31,6 +31,16 @@ COMPACT_MIN_WASTED_SLOTS = 32  # compact when this many slots are wasted in the 
 COMPACT_MIN_WASTED_FRACTION = 0.25  # ... and they are at least this share of all slots
 
 
+def require_plain_head(model: torch.nn.Module, needed_by: str) -> None:
+    """Refuse a model whose logits are not ``lm_head(hidden)`` for ``needed_by`` (a feature that
+    reads or applies the head to the decoder's final-norm output directly)."""
+    if model.config.model_type not in PLAIN_HEAD_TYPES:
+        raise ValueError(
+            f"{needed_by} needs a target whose logits are lm_head(hidden) (model types "
+            f"{sorted(PLAIN_HEAD_TYPES)}), got model_type {model.config.model_type!r}"
+        )
+
+
 class ModelRunner:
     """Owns a model and the KV caches of the sequences it serves."""
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specray.drafters import FeatureDrafter
-from specray.drafters.feature import FeatureRows
+from specray.feature_rows import FeatureRows
 from specray.models.runner import ModelRunner
 from specray.rpc.messages import InvalidMessageError, check_verdict_features, features_to_pb
 from specray.sampling import DraftProbsEncoding
