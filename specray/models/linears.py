@@ -17,7 +17,9 @@ Which kernel wins, and for how many rows, depends on the CPU and its libraries, 
 measured here: for each row count m in 1..16, every candidate kernel computing m' >= m rows
 (zeros appended, result sliced: each row of a product is computed on its own, so padding
 changes no row beyond float rounding) is timed on the model's own linears, and the cheapest
-plan is kept. Measurements are cached on disk per (CPU, threads, dtype, shapes, torch), so a
+plan is kept. Above 16 rows (verifying a batch's blocks) a few larger counts are timed, and
+each count runs unpadded with the kernel that won at the next one measured: one core here,
+64 rows took 204 ms through F.linear and 146 ms through oneDNN. Measurements are cached on disk per (CPU, threads, dtype, shapes, torch), so a
 machine pays for calibration once (a few seconds for the default target); concurrent processes
 wait for one calibration under a file lock. Models whose linears fit in cache (tiny test models)
 are left alone: nothing to gain.
@@ -36,7 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_TUNED_ROWS = 16  # row counts above this use the default kernel, unpadded
+MAX_TUNED_ROWS = 16  # row counts measured one by one, where padding may pay
+# Row counts measured above that (a batch verifying blocks: 8 requests x 5 tokens = 40 rows);
+# between two of them the kernel that won at the larger one runs, unpadded.
+LARGE_ROW_COUNTS = (24, 32, 48, 64, 96, 128)
 MIN_TUNED_BYTES = 32 * 2**20  # linears smaller than this in all stay cache-resident: skip
 MIN_GAIN = 0.08  # leave the default plan only for one at least 8% cheaper
 CALIBRATION_REPEATS = 3
@@ -73,6 +78,30 @@ def choose_plan(
                 best = option
         plan.append(best[1:])
     return tuple(plan)
+
+
+def extend_plan(
+    plan: tuple[tuple[str, int], ...],
+    costs_s: Mapping[str, Sequence[float]],
+    row_counts: Sequence[int],
+    min_gain: float = MIN_GAIN,
+) -> tuple[tuple[str, int], ...]:
+    """``plan`` (rows 0 .. len - 1) extended to ``row_counts[-1]`` rows: ``costs_s[kernel][i]``
+    is the measured seconds for ``row_counts[i]`` rows; each row count up to ``row_counts[i]``
+    (above the previous one) runs unpadded with the kernel cheapest there, if it is at least
+    ``min_gain`` cheaper than the dense kernel. Pure.
+
+    >>> extend_plan(((DENSE, 0), (ONEDNN, 1)), {DENSE: [5.0, 9.0], ONEDNN: [3.0, 8.9]}, [2, 3])
+    (('dense', 0), ('onednn', 1), ('onednn', 2), ('dense', 3))
+    """
+    extended = list(plan)
+    for index, count in enumerate(row_counts):
+        dense = costs_s[DENSE][index]
+        kernel, cost = min(((k, c[index]) for k, c in costs_s.items()), key=lambda kc: kc[1])
+        if cost > (1.0 - min_gain) * dense:
+            kernel = DENSE
+        extended.extend((kernel, rows) for rows in range(len(extended), count + 1))
+    return tuple(extended)
 
 
 class TunedLinear(nn.Module):
@@ -116,9 +145,12 @@ class TunedLinear(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = inputs.numel() // self.in_features
-        if rows >= len(self.plan) or self.plan[rows] == (DENSE, rows):
+        if rows < len(self.plan):
+            kernel, padded = self.plan[rows]
+        else:  # past the measured counts: the largest one's kernel
+            kernel, padded = (self.plan[-1][0] if len(self.plan) > 1 else DENSE), rows
+        if (kernel, padded) == (DENSE, rows):
             return F.linear(inputs, self.weight, self.bias)
-        kernel, padded = self.plan[rows]
         flat = inputs.reshape(rows, self.in_features)  # [rows, in]
         if padded > rows:
             flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])
@@ -147,11 +179,16 @@ def _time_pass(linears: Sequence[TunedLinear], kernel: str, rows: int) -> float:
     return best
 
 
+def tuned_row_counts() -> list[int]:
+    """The row counts measured: 1..MAX_TUNED_ROWS, then LARGE_ROW_COUNTS above it."""
+    return [*range(1, MAX_TUNED_ROWS + 1), *(n for n in LARGE_ROW_COUNTS if n > MAX_TUNED_ROWS)]
+
+
 def measure_costs(linears: Sequence[TunedLinear], kernels: Sequence[str]) -> dict[str, list]:
-    """Seconds per pass for 1..MAX_TUNED_ROWS rows, per kernel."""
+    """Seconds per pass for each of tuned_row_counts(), per kernel."""
     with torch.inference_mode():
         return {
-            kernel: [_time_pass(linears, kernel, rows) for rows in range(1, MAX_TUNED_ROWS + 1)]
+            kernel: [_time_pass(linears, kernel, rows) for rows in tuned_row_counts()]
             for kernel in kernels
         }
 
@@ -171,7 +208,7 @@ def _cached(key: list, measure) -> dict:
     torch version). Concurrent processes wait under a file lock and read the first one's."""
     from specray.models.loading import cache_dir
 
-    key = [*key, cpu_model(), torch.get_num_threads(), torch.__version__, MAX_TUNED_ROWS]
+    key = [*key, cpu_model(), torch.get_num_threads(), torch.__version__, tuned_row_counts()]
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     path = cache_dir() / "linear-tuning" / f"{digest}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -233,7 +270,12 @@ def fastest_row_dtype(
 
 def _tune(role: str, tuned: Sequence[TunedLinear], kernels: Sequence[str]) -> dict:
     costs_s = _cached_costs(role, tuned, kernels)  # builds every kernel's copies if it measures
-    plan = choose_plan(costs_s)
+    counts = tuned_row_counts()
+    plan = extend_plan(
+        choose_plan({kernel: costs[:MAX_TUNED_ROWS] for kernel, costs in costs_s.items()}),
+        {kernel: costs[MAX_TUNED_ROWS:] for kernel, costs in costs_s.items()},
+        counts[MAX_TUNED_ROWS:],
+    )
     for linear in tuned:
         linear.set_plan(plan)
     return {"costs_s": costs_s, "plan": plan}

@@ -218,35 +218,49 @@ class ModelRunner:
                     raise ValueError(f"{name} for {seq_id!r} must be in [1, {counts[row]}]")
             if features is not None and len(features.get(seq_id, ())) != counts[row]:
                 raise ValueError(f"features for {seq_id!r} must have {counts[row]} rows")
-        input_ids = torch.zeros(rows, width, dtype=torch.int64)  # [rows, width], 0 = padding
-        positions = torch.zeros(rows, width, dtype=torch.int64)  # [rows, width]
-        new_valid = torch.zeros(rows, width, dtype=torch.bool)  # [rows, width]
-        feature_batch = None  # [rows, width, feature_size], zeros where padding
+        # Only the rows fed in this call run: with two micro-batches (or a prefill beside
+        # decoding requests) the others would otherwise be computed as padding.
+        active = [row for row in range(rows) if counts[row] or not self._layers()]
+        batch = len(active)
+        input_ids = torch.zeros(batch, width, dtype=torch.int64)  # [batch, width], 0 = padding
+        positions = torch.zeros(batch, width, dtype=torch.int64)  # [batch, width]
+        new_valid = torch.zeros(batch, width, dtype=torch.bool)  # [batch, width]
+        feature_batch = None  # [batch, width, feature_size], zeros where padding
         if features is not None:
             size = next(iter(features.values())).shape[-1]
-            feature_batch = torch.zeros(rows, width, size)
-        for row, seq_id in enumerate(self.seq_ids):
-            tokens = new_token_ids.get(seq_id, ())
-            if tokens:
-                input_ids[row, : len(tokens)] = torch.as_tensor(list(tokens))
-                new_valid[row, : len(tokens)] = True
-                if feature_batch is not None:
-                    feature_batch[row, : len(tokens)] = features[seq_id]
-            positions[row] = torch.arange(self.lengths[row], self.lengths[row] + width)
-        valid = torch.cat([self.valid, new_valid], dim=1)  # [rows, slots + width]
-        attention_mask = None if bool(valid.all()) else valid.to(torch.int64)
+            feature_batch = torch.zeros(batch, width, size)
+        for index, row in enumerate(active):
+            seq_id = self.seq_ids[row]
+            tokens = new_token_ids[seq_id]
+            input_ids[index, : len(tokens)] = torch.as_tensor(list(tokens))
+            new_valid[index, : len(tokens)] = True
+            if feature_batch is not None:
+                feature_batch[index, : len(tokens)] = features[seq_id]
+            positions[index] = torch.arange(self.lengths[row], self.lengths[row] + width)
         if self.cache is None:
             self.cache = DynamicCache()  # full-attention layers: slots are ours to crop
-        hidden_or_logits = self._run(input_ids, positions, attention_mask, feature_batch)
-        self.valid = valid
-        wanted = []  # (seq_id, row, first column, last column + 1) needing logits
-        for row, seq_id in enumerate(self.seq_ids):
+        # (Before the first forward there are no layers to gather from: everyone runs.)
+        subset = torch.tensor(active) if batch < rows and self._layers() else None
+        old_valid = self.valid if subset is None else self.valid.index_select(0, subset)
+        valid = torch.cat([old_valid, new_valid], dim=1)  # [batch, slots + width]
+        attention_mask = None if bool(valid.all()) else valid.to(torch.int64)
+        cache = self.cache if subset is None else self._gather(subset)
+        hidden_or_logits = self._run(input_ids, positions, attention_mask, feature_batch, cache)
+        if subset is None:
+            self.valid = valid
+        else:
+            self._scatter(subset, cache, width)
+            self.valid = torch.cat([self.valid, torch.zeros(rows, width, dtype=torch.bool)], 1)
+            self.valid[subset] = valid
+        wanted = []  # (seq_id, row in this batch, first column, last column + 1) needing logits
+        for index, row in enumerate(active):
+            seq_id = self.seq_ids[row]
             self.lengths[row] += counts[row]
             if seq_id in num_logits:
-                wanted.append((seq_id, row, counts[row] - num_logits[seq_id], counts[row]))
+                wanted.append((seq_id, index, counts[row] - num_logits[seq_id], counts[row]))
             if seq_id in num_hidden:  # [num_hidden, hidden_size], views of this batch
                 first = counts[row] - num_hidden[seq_id]
-                hidden[seq_id] = hidden_or_logits[row, first : counts[row]].float()
+                hidden[seq_id] = hidden_or_logits[index, first : counts[row]].float()
         if not wanted:
             return {}, hidden
         # All requested rows through the head in one matmul: the head's weight is read once.
@@ -258,13 +272,33 @@ class ModelRunner:
         parts = logits.split(sizes)
         return {seq_id: part for (seq_id, *_), part in zip(wanted, parts, strict=True)}, hidden
 
-    def _run(self, input_ids, positions, attention_mask, feature_batch):
+    def _gather(self, subset: torch.Tensor) -> DynamicCache:
+        """A cache holding only the ``subset`` rows (copies), for a forward over them."""
+        cache = DynamicCache()
+        for index, layer in enumerate(self._layers()):
+            cache.update(
+                layer.keys.index_select(0, subset), layer.values.index_select(0, subset), index
+            )
+        return cache
+
+    def _scatter(self, subset: torch.Tensor, cache: DynamicCache, width: int) -> None:
+        """Append ``width`` slots to every row: the ``subset`` rows' new keys and values from
+        ``cache``; zeros (masked as invalid) for the rows that did not run."""
+        for layer, ran in zip(self._layers(), cache.layers, strict=True):
+            for name in ("keys", "values"):
+                old = getattr(layer, name)  # [rows, heads, slots, dim]
+                new = getattr(ran, name)[:, :, old.shape[2] :]  # [batch, heads, width, dim]
+                grown = torch.cat([old, old.new_zeros((*old.shape[:2], width, old.shape[3]))], 2)
+                grown[:, :, old.shape[2] :].index_copy_(0, subset, new)
+                setattr(layer, name, grown)
+
+    def _run(self, input_ids, positions, attention_mask, feature_batch, cache):
         if feature_batch is not None:  # the model mixes each token's feature into its input
             return self._decoder(
                 inputs_embeds=self.model.embed_with_features(input_ids, feature_batch),
                 attention_mask=attention_mask,
                 position_ids=positions,
-                cache=self.cache,
+                cache=cache,
                 use_cache=True,
             ).last_hidden_state  # [rows, width, hidden]
         if self._decoder is not None:
@@ -272,14 +306,14 @@ class ModelRunner:
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=positions,
-                cache=self.cache,
+                cache=cache,
                 use_cache=True,
             ).last_hidden_state  # [rows, width, hidden]
         return self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=positions,
-            cache=self.cache,
+            cache=cache,
             use_cache=True,
         ).logits  # [rows, width, vocab]
 

@@ -123,13 +123,39 @@ class EncodedDraftProbs:
         )
 
 
+def _point_mass_as(row: EncodedDraftProbs, like: EncodedDraftProbs) -> EncodedDraftProbs:
+    """A one-row point mass (``top1``) in ``like``'s encoding, decoding to the same one-hot q:
+    a sparse row gets zero weights on other ids, a dense row is the one-hot vector."""
+    if row.encoding == like.encoding or row.vocab_size != like.vocab_size:
+        return row
+    token_id = int(row.token_ids.to_tensor().reshape(-1)[0])
+    if like.token_ids is not None:
+        width = like.values.shape[1]
+        others = [i for i in range(width) if i != token_id][: width - 1]
+        values = torch.zeros(1, width)
+        values[0, 0] = row.values.to_tensor().reshape(-1)[0]
+        token_ids = torch.tensor([[token_id, *others]], dtype=torch.int32)
+        return EncodedDraftProbs(
+            like.encoding,
+            row.vocab_size,
+            WireTensor.from_tensor(values),
+            WireTensor.from_tensor(token_ids),
+        )
+    one_hot = torch.zeros(1, row.vocab_size, dtype=_DENSE_DTYPES[like.encoding])
+    one_hot[0, token_id] = 1
+    return EncodedDraftProbs(like.encoding, row.vocab_size, WireTensor.from_tensor(one_hot))
+
+
 def stack_rows(rows: list[EncodedDraftProbs]) -> EncodedDraftProbs:
     """Concatenate one-row messages into one ``[k, ...]`` message, bytes unchanged.
 
     The draft decodes each row as it samples; the receiver decodes row by row again with
     :meth:`EncodedDraftProbs.row`, so both see bit-identical q (rule 2 of the contract).
     """
-    first = rows[0]
+    # A block may mix drafters (prompt lookup's point masses, then a model's q): point masses
+    # take the model's encoding, which holds them exactly.
+    first = next((row for row in rows if row.encoding != "top1"), rows[0])
+    rows = [_point_mass_as(row, first) if row.encoding == "top1" else row for row in rows]
     if any(row.encoding != first.encoding or row.vocab_size != first.vocab_size for row in rows):
         raise ValueError("stacked rows must share one encoding and vocabulary")
 

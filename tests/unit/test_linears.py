@@ -31,6 +31,20 @@ def test_plan_takes_the_cheapest_kernel_and_padding_that_pays():
     assert plan[1:] == ((ONEDNN, 4), (ONEDNN, 4), (ONEDNN, 3), (ONEDNN, 4))
 
 
+def test_large_row_counts_take_the_kernel_that_won_at_the_next_count_measured():
+    fast = KERNELS[-1]  # oneDNN where torch has it
+    small = ((DENSE, 0), (fast, 1), (fast, 2))
+    costs = {DENSE: [50.0, 90.0, 100.0], fast: [30.0, 88.0, 60.0]}  # at 4, 8 and 16 rows
+    plan = linears.extend_plan(small, costs, [4, 8, 16])
+    assert plan[3:5] == ((fast, 3), (fast, 4))
+    assert plan[5:9] == tuple((DENSE, rows) for rows in range(5, 9))  # 2% cheaper: noise
+    assert plan[9:] == tuple((fast, rows) for rows in range(9, 17))
+    layer = TunedLinear(torch.nn.Linear(8, 8), plan)
+    with torch.inference_mode():  # past the last count: the last count's kernel, unpadded
+        inputs = torch.randn(20, 8)
+        torch.testing.assert_close(layer(inputs), F.linear(inputs, layer.weight, layer.bias))
+
+
 def test_plan_keeps_dense_unless_clearly_cheaper():
     costs = {DENSE: [10.0, 20.0, 30.0], ONEDNN: [9.5, 19.0, 28.0]}  # 5% cheaper: noise
     assert choose_plan(costs, min_gain=0.08)[1:] == ((DENSE, 1), (DENSE, 2), (DENSE, 3))
@@ -73,12 +87,13 @@ def test_tuned_runner_matches_untuned_and_caches_its_calibration(tmp_path, monke
     monkeypatch.setenv("SPECRAY_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(linears, "MIN_TUNED_BYTES", 0)  # tune even this small model
     monkeypatch.setattr(linears, "MAX_TUNED_ROWS", 4)
+    monkeypatch.setattr(linears, "LARGE_ROW_COUNTS", (8,))
     reference = ModelRunner(_small_llama(), tune=False)
     tuned_model = _small_llama()
     state_keys = set(tuned_model.state_dict())
     tuned = ModelRunner(tuned_model)
     assert tuned.linear_tuning is not None and tuned._tuned_head is not None
-    assert len(tuned.linear_tuning["plan"]) == 5
+    assert len(tuned.linear_tuning["plan"]) == 9  # rows 0..4 one by one, 5..8 as 8
     assert set(tuned_model.state_dict()) == state_keys  # same names: saving still works
     assert tuned_model.lm_head.weight is tuned_model.model.embed_tokens.weight  # still tied
     assert sum(isinstance(m, TunedLinear) for m in tuned_model.modules()) == 2 * 7
@@ -89,7 +104,7 @@ def test_tuned_runner_matches_untuned_and_caches_its_calibration(tmp_path, monke
     prompt = {"a": [5, 6, 7, 8, 9], "b": [10, 11]}
     for runner in (reference, tuned):
         runner.forward(prompt, {"a": 1, "b": 1})
-    for width in (1, 3, 6):  # one decode step, verification blocks (padded, unpadded)
+    for width in (1, 3, 6, 11):  # a decode step, blocks (padded, unpadded, past the plan)
         block = {"a": list(range(20, 20 + width)), "b": list(range(40, 40 + width))}
         wanted = {"a": width, "b": width}
         expected, got = reference.forward(block, wanted), tuned.forward(block, wanted)

@@ -41,6 +41,37 @@ def test_honest_block_decodes_to_the_exact_q_sent(encoding):
     assert (checked.request_id, checked.step, checked.num_committed) == ("req-1", 4, 7)
 
 
+@pytest.mark.parametrize("encoding", ["fp32", "fp16", "bf16", "top8"])
+def test_block_mixing_point_masses_and_model_rows_decodes_exactly(encoding):
+    """A block whose first tokens came from prompt lookup (point masses, top1) and the rest
+    from a draft model: each row decodes on the receiver to exactly the q it was drawn from."""
+    point_mass = DraftProbsEncoding.parse("top1")
+    generator = torch.Generator().manual_seed(5)
+    rows, decoded = [], []
+    for index in range(4):
+        if index in (0, 1, 3):  # the token id 0 case exercises the padding ids' choice
+            probs = torch.zeros(1, VOCAB)
+            probs[0, (0, 17, 49)[index % 3]] = 1.0
+            row = encode_draft_probs(probs, point_mass)
+        else:
+            probs = torch.softmax(torch.randn(1, VOCAB, generator=generator) * 3, dim=-1)
+            row = encode_draft_probs(probs, DraftProbsEncoding.parse(encoding))
+        rows.append(row)
+        decoded.append(decode_draft_probs(row))
+    q = torch.cat(decoded)  # [4, vocab]
+    message = block_to_pb("req-1", 4, 7, q.argmax(dim=-1).tolist(), stack_rows(rows))
+    checked = check_block(pb.DraftBlock.FromString(message.SerializeToString()), VOCAB)
+    assert torch.equal(checked.draft_probs, q), "bit-identical q on both ends"
+    assert message.draft_probs.encoding == encoding
+
+
+def test_rows_of_two_model_encodings_are_refused():
+    probs = torch.softmax(torch.randn(1, VOCAB), dim=-1)
+    rows = [encode_draft_probs(probs, DraftProbsEncoding.parse(name)) for name in ("fp16", "top8")]
+    with pytest.raises(ValueError, match="share one encoding"):
+        stack_rows(rows)
+
+
 def test_sparse_q_is_small_on_the_wire():
     message, _ = _honest_block("top8", k=1)
     assert message.ByteSize() < 2048

@@ -90,3 +90,29 @@ def test_remove_frees_rows(tiny_model):
     runner.forward({"a": [1, 2], "b": [3]}, {"a": 1, "b": 1})
     runner.remove(["a", "b"])
     assert runner.seq_ids == [] and runner.cache is None and runner.num_slots == 0
+
+
+def test_only_the_rows_fed_run(tiny_model):
+    """A forward over some sequences computes only their rows: a prefill beside decoding
+    requests, or one micro-batch of two, does not pay for the others as padding."""
+    runner = ModelRunner(tiny_model)
+    batch_sizes = []
+    hook = tiny_model.model.embed_tokens.register_forward_hook(
+        lambda _module, args, _out: batch_sizes.append(args[0].shape[0])
+    )
+    try:
+        runner.forward({f"d{i}": [1, 2, 3] for i in range(6)}, {})
+        runner.forward({"new": list(range(1, 20))}, {"new": 1})  # a prefill beside 6 others
+        runner.forward({"d0": [4], "d1": [5]}, {"d0": 1, "d1": 1})  # one micro-batch
+    finally:
+        hook.remove()
+    assert batch_sizes == [6, 1, 2]
+    # The rows that did not run are intact: each continues as if computed alone.
+    for seq_id, tokens in (
+        ("d2", [1, 2, 3, 7]),
+        ("new", [*range(1, 20), 7]),
+        ("d0", [1, 2, 3, 4, 7]),
+    ):
+        logits = runner.forward({seq_id: [7]}, {seq_id: 1})[seq_id]
+        expected = _reference_logits(tiny_model, tokens)[-1:]
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
