@@ -19,10 +19,10 @@ measured here: for each row count m in 1..16, every candidate kernel computing m
 changes no row beyond float rounding) is timed on the model's own linears, and the cheapest
 plan is kept. Above 16 rows (verifying a batch's blocks) a few larger counts are timed, and
 each count runs unpadded with the kernel that won at the next one measured: one core here,
-64 rows took 204 ms through F.linear and 146 ms through oneDNN. Measurements are cached on disk per (CPU, threads, dtype, shapes, torch), so a
-machine pays for calibration once (a few seconds for the default target); concurrent processes
-wait for one calibration under a file lock. Models whose linears fit in cache (tiny test models)
-are left alone: nothing to gain.
+64 rows took 204 ms through F.linear and 146 ms through oneDNN. Measurements are cached on
+disk per (CPU, threads, dtype, shapes, torch), so a machine pays for calibration once (about
+20 seconds for the default target); concurrent processes wait for one calibration under a file
+lock. Models whose linears fit in cache (tiny test models) are left alone: nothing to gain.
 """
 
 from __future__ import annotations
