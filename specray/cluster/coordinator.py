@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 RTT_PROBE_INTERVAL_S = 0.5  # how often the coordinator times a no-op call to the target
 GROUP_ACCEPTANCE_DECAY = 0.99  # the group's running acceptance: new requests start from it
 REQUEST_PRIOR_WEIGHT = 4.0  # pseudo-observations of that prior in a request's own estimate
+SCOUT_REQUESTS = 2  # requests that re-measure acceptance while the group's says "do not draft"
 # Cost priors until measurements arrive (seconds): verification barely growing with tokens and
 # a cheap draft, so speculation starts on and the fits take over within a few rounds.
 DEFAULT_VERIFY_PRIOR = VerifyCost(fixed_s=0.05, per_request_s=0.01, per_token_s=0.003)
@@ -121,6 +122,7 @@ class _Request:
     max_k: int  # this request's largest k (0: it never speculates)
     draft_worker: int | None = None
     last_k: int = 0  # the k of its latest round
+    last_drafted_step: int = 0  # its step when it last drafted (0: never)
     target_knows: bool = False
     draft_known: int | None = None  # committed tokens the draft worker has seen (None: unseen)
     draft_ready: bool = False  # the draft worker holds its state (prefill done)
@@ -406,6 +408,7 @@ class Coordinator:
             try:
                 self._expire_waiting()
                 self._admit(index)
+                self._merge_unless_split_pays(index)
                 await self._reap(batch)
             except Exception:  # never let the loop die: its requests would wait forever
                 log.exception("admission or release failed")
@@ -471,6 +474,20 @@ class Coordinator:
             request = self._waiting.pop(0)
             self._assign_draft_worker(request)
             batch.append(request)
+
+    def _merge_unless_split_pays(self, index: int) -> None:
+        """At its block boundary, a later micro-batch hands its requests to the first when a
+        split no longer pays (acceptance fell, the batch shrank): the target then verifies
+        them in one forward instead of two at almost the same cost each. Requests only ever
+        move to the first micro-batch, so this cannot oscillate."""
+        batch = self._batches[index]
+        if index == 0 or not batch:
+            return
+        if self._split_pays(min(self.num_running + len(self._waiting), self.config.max_running)):
+            return
+        self._batches[0].extend(batch)
+        batch.clear()
+        self._wakeups[0].set()
 
     def _assign_draft_worker(self, request: _Request) -> None:
         """The least-loaded available draft worker (None while there is none)."""
@@ -597,8 +614,31 @@ class Coordinator:
         probe_due = should_probe(self._rounds_off[index], self.config.policy)
         if any(caps) and probe_due and self._could_pay(len(requests)):
             self._rounds_off[index] = 0
-            return [min(self.config.policy.probe_k, cap) for cap in caps]
+            probe = [min(self.config.policy.probe_k, cap) for cap in caps]
+            if self._group_would_speculate(len(requests)):
+                return probe
+            # The group's acceptance says no: re-measure it on a few scouts, the requests that
+            # drafted longest ago, instead of the whole batch (at batch 16, two more verified
+            # tokens for everyone cost 2.6x a step here); everyone probes once it says yes.
+            able = [i for i, cap in enumerate(caps) if cap]
+            scouts = sorted(able, key=lambda i: requests[i].last_drafted_step)[:SCOUT_REQUESTS]
+            return [k if i in scouts else 0 for i, k in enumerate(probe)]
         return ks
+
+    def _group_would_speculate(self, batch_size: int) -> bool:
+        """Would the policy speculate at this batch size with the group's acceptance?"""
+        return (
+            choose_k(
+                self._group_acceptance.acceptance(self.config.num_speculative_tokens),
+                batch=max(batch_size, 1),
+                verify=self.costs.verify,
+                draft=self.costs.draft,
+                rtt_s=self.costs.rtt_s,
+                pipelined=self.config.num_micro_batches > 1 or self.config.draft_ahead,
+                config=self.config.policy,
+            )
+            > 0
+        )
 
     def _could_pay(self, batch_size: int) -> bool:
         """Would speculation pay at this batch size if every draft were accepted? If not, no
@@ -669,6 +709,8 @@ class Coordinator:
         for request, k in zip(requests, ks, strict=True):
             request.step += 1
             request.last_k = k
+            if k > 0:
+                request.last_drafted_step = request.step
             state = request.state
             item = {
                 "request_id": state.request_id,

@@ -63,11 +63,20 @@ def _interpolate(table: tuple[tuple[float, float], ...], tokens: float) -> float
 
 
 def tabulate(samples: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
-    """(tokens in the forward, seconds) samples -> a table, averaging equal token counts."""
+    """(tokens in the forward, seconds) samples -> a table, averaging equal token counts, then
+    non-decreasing: a forward can always be padded to more tokens, so a dip is noise (measured
+    here: 62 ms for 3 tokens, 45 ms for 4), and a dip would make the policy prefer odd splits.
+    E.g. [(1, 0.046), (3, 0.062), (4, 0.045), (8, 0.060)] -> 1: 0.045, 3: 0.045, 4: 0.045,
+    8: 0.060 (each point is the cheapest at or above its token count)."""
     grouped: dict[float, list[float]] = {}
     for tokens, seconds in samples:
         grouped.setdefault(float(tokens), []).append(float(seconds))
-    return tuple((tokens, sum(v) / len(v)) for tokens, v in sorted(grouped.items()))
+    table = [(tokens, sum(v) / len(v)) for tokens, v in sorted(grouped.items())]
+    cheapest = math.inf
+    for index in reversed(range(len(table))):
+        cheapest = min(cheapest, table[index][1])
+        table[index] = (table[index][0], cheapest)
+    return tuple(table)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from specray.cluster.policy import (
     fit_verify_cost,
     predicted_tokens_per_s,
     should_probe,
+    tabulate,
 )
 
 # Target step at batch 4: 10.44 ms, growing only 0.04 ms per extra verified token.
@@ -358,3 +359,12 @@ def test_a_table_where_short_blocks_cost_as_much_as_long_ones_prefers_long_block
         config=PolicyConfig(max_k=8),
     )
     assert k == 8
+
+
+def test_tabulate_averages_repeats_and_removes_dips():
+    # 3 tokens measured slower than 4 (noise: 4 could be run as 3 padded); repeats averaged.
+    samples = [(1, 0.046), (3, 0.062), (4, 0.045), (8, 0.060), (8, 0.070), (16, 0.080)]
+    assert tabulate(samples) == ((1.0, 0.045), (3.0, 0.045), (4.0, 0.045), (8.0, 0.065),
+                                 (16.0, 0.080))  # fmt: skip
+    increasing = [(1, 0.01), (2, 0.02), (4, 0.03)]
+    assert tabulate(increasing) == ((1.0, 0.01), (2.0, 0.02), (4.0, 0.03))

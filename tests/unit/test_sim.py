@@ -467,3 +467,91 @@ def test_speculation_on_at_concurrency_one_on_the_same_costs():
     )
     assert row["mean_k"] > 1  # draft tokens per target step, prefill rounds included
     assert row["speedup"] > 1.2
+
+
+def _running_coordinator(latency, acceptance, config, *, num_requests, max_tokens, watch):
+    """Run ``num_requests`` requests at once through a coordinator on simulated workers;
+    ``watch(coordinator, target)`` runs as a task beside them. Returns the outputs."""
+
+    async def main():
+        inbox = SimInbox()
+        target = SimTargetBackend(latency, acceptance, inbox, random.Random(0))
+        drafts = SimDraftBackend(1, latency, inbox)
+        coordinator = Coordinator(target, drafts, config, vocab_size=64)
+        await coordinator.start()
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        streams = [await coordinator.submit([5, 6, 7], params) for _ in range(num_requests)]
+        watcher = asyncio.ensure_future(watch(coordinator, target))
+        outputs = [await stream.result() for stream in streams]
+        await coordinator.stop()
+        watcher.cancel()
+        return outputs
+
+    return run_virtual(main())
+
+
+def test_micro_batches_merge_when_acceptance_falls():
+    """Eight requests split into two micro-batches while the draft is accepted; when its
+    acceptance falls to 0 the split no longer pays, and at its next block boundary the second
+    micro-batch hands its requests to the first (one verification for all)."""
+    latency = LatencyModel(
+        verify=VerifyCost(0.0, 0.0, 0.0, table=((1, 0.05), (8, 0.08), (64, 0.3))),
+        draft_step=DraftCost(0.001, 0.0001),
+        rtt_s=0.0005,
+    )
+    config = CoordinatorConfig(num_micro_batches=2, num_speculative_tokens=6)
+    seen = []  # (virtual time, sizes of the two micro-batches)
+
+    async def watch(coordinator, target):
+        loop = asyncio.get_running_loop()
+        for _ in range(20):
+            await asyncio.sleep(0.25)
+            seen.append((loop.time(), [len(batch) for batch in coordinator._batches]))
+        target.acceptance = AcceptanceModel((0.0,))  # the draft stops matching
+        while True:
+            await asyncio.sleep(0.25)
+            seen.append((loop.time(), [len(batch) for batch in coordinator._batches]))
+
+    outputs = _running_coordinator(
+        latency, AcceptanceModel((0.95,), 0.9), config, num_requests=8, max_tokens=600, watch=watch
+    )
+    assert all(len(output.token_ids) == 600 for output in outputs)
+    assert [4, 4] in [sizes for _, sizes in seen[:20]], "with α = 0.95 the split pays"
+    after = [sizes for _, sizes in seen[20:]]
+    assert [8, 0] in after, f"after acceptance fell, one micro-batch holds everyone: {after}"
+    assert all(sizes[1] == 0 for sizes in after[after.index([8, 0]) :]), after
+
+
+def test_probes_at_a_large_batch_send_scouts_only():
+    """Sixteen requests whose draft is never accepted: speculation is off, and each periodic
+    probe drafts for SCOUT_REQUESTS requests, the ones that drafted longest ago, not for all
+    sixteen (which would add probe_k verified tokens to every request)."""
+    from specray.cluster.coordinator import SCOUT_REQUESTS
+
+    latency = LatencyModel(
+        verify=VerifyCost(0.0, 0.0, 0.0, table=((1, 0.05), (16, 0.06), (64, 0.2))),
+        draft_step=DraftCost(0.001, 0.0001),
+        rtt_s=0.0005,
+    )
+    config = CoordinatorConfig(num_micro_batches=1, num_speculative_tokens=4)
+    probes = []  # per round with drafts: how many requests drafted
+
+    async def watch(coordinator, target):
+        original = target.verify
+
+        async def verify(items, deadline_s):
+            drafting = sum(item["expect_draft"] for item in items)
+            if drafting:
+                probes.append(drafting)
+            return await original(items, deadline_s)
+
+        target.verify = verify
+
+    outputs = _running_coordinator(
+        latency, AcceptanceModel((0.0,)), config, num_requests=16, max_tokens=200, watch=watch
+    )
+    assert all(len(output.token_ids) == 200 for output in outputs)
+    scouting = [count for count in probes if count <= SCOUT_REQUESTS]
+    assert len(scouting) >= 5 and probes[-5:] == [SCOUT_REQUESTS] * 5, probes
+    drafted = {o.request_id for o in outputs if o.metrics.num_drafts}
+    assert len(drafted) > 2 * SCOUT_REQUESTS, "scouts rotate over the batch"
