@@ -625,30 +625,10 @@ class Coordinator:
             return [k if i in scouts else 0 for i, k in enumerate(probe)]
         return ks
 
-    def _group_would_speculate(self, batch_size: int) -> bool:
-        """Would the policy speculate at this batch size with the group's acceptance?"""
-        return (
-            choose_k(
-                self._group_acceptance.acceptance(self.config.num_speculative_tokens),
-                batch=max(batch_size, 1),
-                verify=self.costs.verify,
-                draft=self.costs.draft,
-                rtt_s=self.costs.rtt_s,
-                pipelined=self.config.num_micro_batches > 1 or self.config.draft_ahead,
-                config=self.config.policy,
-            )
-            > 0
-        )
-
-    def _could_pay(self, batch_size: int) -> bool:
-        """Would speculation pay at this batch size if every draft were accepted? If not, no
-        acceptance measurement can change the answer: no probes, no micro-batch split."""
-        if self.drafts is None or self.config.num_speculative_tokens == 0:
-            return False
-        if not self.config.adaptive_k:
-            return True
-        best = choose_k(
-            [1.0],
+    def _best_k(self, acceptance: list[float], batch_size: int) -> int:
+        """The policy's k for a request with this acceptance in a batch of this size."""
+        return choose_k(
+            acceptance,
             batch=max(batch_size, 1),
             verify=self.costs.verify,
             draft=self.costs.draft,
@@ -656,7 +636,18 @@ class Coordinator:
             pipelined=self.config.num_micro_batches > 1 or self.config.draft_ahead,
             config=self.config.policy,
         )
-        return best > 0
+
+    def _group_would_speculate(self, batch_size: int) -> bool:
+        """Would the policy speculate at this batch size with the group's acceptance?"""
+        acceptance = self._group_acceptance.acceptance(self.config.num_speculative_tokens)
+        return self._best_k(acceptance, batch_size) > 0
+
+    def _could_pay(self, batch_size: int) -> bool:
+        """Would speculation pay at this batch size if every draft were accepted? If not, no
+        acceptance measurement can change the answer: no probes, no micro-batch split."""
+        if self.drafts is None or self.config.num_speculative_tokens == 0:
+            return False
+        return not self.config.adaptive_k or self._best_k([1.0], batch_size) > 0
 
     def _split_pays(self, total: int) -> bool:
         """Split the running requests into micro-batches only when speculating on the halves
