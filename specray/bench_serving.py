@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 
 from specray.bench import acceptance_from_mean_length, load_prompts
 from specray.cluster.coordinator import DEFAULT_DRAFT_PRIOR, Coordinator, CoordinatorConfig
+from specray.cluster.costs import scaled
 from specray.cluster.local import CoordinatorThread
 from specray.cluster.placement import PlacementConfig
 from specray.engine import chat_token_ids
@@ -145,6 +146,9 @@ def _run_mode(backend, info, mode, config, concurrency, prompts, params, calibra
         "ttft_p50_s": percentile([o.time_to_first_token_s for o in outputs], 0.5),
         "target_busy_fraction": min(stats.target_compute_s / wall_s, 1.0),
         "bubble_s": stats.target_wait_s,
+        "target_compute_s": stats.target_compute_s,
+        "target_forward_s": stats.target_forward_s,
+        "target_prefill_s": stats.target_prefill_s,
         "acceptance_rate": metrics.acceptance_rate,
         "mean_acceptance_length": metrics.mean_acceptance_length,
         "mean_k": mean_k,
@@ -152,6 +156,10 @@ def _run_mode(backend, info, mode, config, concurrency, prompts, params, calibra
         "reused_tokens": stats.reused_tokens,
         "bytes_per_token": stats.draft_bytes / max(tokens, 1),
         "draft_step_s": costs.draft.seconds(1),
+        # Observed / calibrated seconds over the run: calibration times each worker alone,
+        # in service they share two cores with each other and with Ray.
+        "verify_level": costs.mean_verify_level,
+        "draft_level": costs.mean_draft_level,
         "verify_cost": asdict(costs.verify),
         "draft_cost": asdict(costs.draft),
         "rtt_s": costs.rtt_s,
@@ -187,10 +195,15 @@ def pipelined_bound(row: dict, calibration) -> float:
 
 def simulated_tokens_per_s(row: dict, config: ServingBenchConfig, calibration) -> float:
     """The simulator's prediction for this row: same workload and coordinator settings, the
-    costs calibrated on the workers and the acceptance measured in this run (the
-    simulator-vs-real check)."""
+    acceptance measured in this run and the costs measured in it: the calibrated tables at the
+    level the coordinator observed over the run (the simulator-vs-real check: what it tests is
+    the coordinator's dynamics, given per-call costs)."""
     from specray.sim import simulate
     from specray.sim.model import sim_config_from_dict
+
+    verify, draft = calibration
+    verify = scaled(verify, row["verify_level"])
+    draft = scaled(draft or DEFAULT_DRAFT_PRIOR, row["draft_level"])
 
     acceptance = (
         {"from_metrics": row["metrics"] | {}}
@@ -203,8 +216,8 @@ def simulated_tokens_per_s(row: dict, config: ServingBenchConfig, calibration) -
         {
             "name": f"check-{row['mode']}-{row['concurrency']}",
             "latency": {
-                "verify": asdict(calibration[0]),
-                "draft_step": asdict(calibration[1] or DEFAULT_DRAFT_PRIOR),
+                "verify": asdict(verify),
+                "draft_step": asdict(draft),
                 "rtt_s": row["rtt_s"],
                 "prefill_per_token_s": row["prefill_per_token_s"],
                 "draft_prefill_per_token_s": row["draft_prefill_per_token_s"],

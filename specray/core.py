@@ -15,6 +15,7 @@ h_0 .. h_{P-2}, each round the rows of pending and the accepted drafts (the rows
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -153,6 +154,7 @@ class TargetCore:
         self.keep_features = keep_features
         self.hidden_size = int(runner.model.config.hidden_size) if keep_features else 0
         self._features: dict[Hashable, FeatureRows] = {}  # h of committed cached positions
+        self.forward_s = 0.0  # seconds in verification forwards (the rest of a round is rules)
 
     def prefill(self, requests: Sequence[RequestState]) -> None:
         """Cache each prompt except its last token (the first pending token)."""
@@ -189,10 +191,12 @@ class TargetCore:
         feeds = {r.request_id: [r.pending_token, *blocks[r.request_id][0]] for r in requests}
         sizes = {key: len(value) for key, value in feeds.items()}
         hidden = {}  # request -> h of [pending, d_1 .. d_n]: [n + 1, hidden]
+        started = time.perf_counter()
         if self.keep_features:
             logits, hidden = self.runner.forward(feeds, sizes, num_hidden=sizes)
         else:
             logits = self.runner.forward(feeds, sizes)
+        self.forward_s += time.perf_counter() - started
         target_probs = [
             r.pipeline.probs(logits[r.request_id], r.output_token_ids, blocks[r.request_id][0])
             for r in requests

@@ -146,7 +146,9 @@ class TargetWorker:
         for key in keys:
             if key not in arrived:
                 dropped[key[0]] = "deadline: no block arrived in time"
+        forward_before = self.core.forward_s
         committed = self.core.verify_round(states, blocks)
+        forward_s = self.core.forward_s - forward_before
         results = []
         for item, state, tokens in zip(round_spec, states, committed, strict=True):
             num_draft = len(blocks.get(state.request_id, ([],))[0])
@@ -179,6 +181,7 @@ class TargetWorker:
             "wait_s": wait_s,
             "compute_s": service_s - wait_s,  # prefill included: busy is busy
             "prefill_s": prefill_s,
+            "forward_s": forward_s,  # the verification forward alone
             "service_s": service_s,
         }
 

@@ -148,6 +148,7 @@ class CoordinatorStats:
     draft_failures: int = 0
     dropped_blocks: int = 0
     target_prefill_s: float = 0.0  # prompt processing of requests new to the target
+    target_forward_s: float = 0.0  # verification forwards alone (busy minus rules, prefill)
     target_prefill_tokens: int = 0
     draft_prefill_s: float = 0.0  # the same on draft workers (a separate call)
     draft_prefill_tokens: int = 0
@@ -842,6 +843,7 @@ class Coordinator:
                      for r in reply["results"])  # fmt: skip
         # Prefill of requests new to the target is busy time, but not the cost of a round.
         prefill_s = reply.get("prefill_s", 0.0)
+        self.stats.target_forward_s += reply.get("forward_s", 0.0)
         verify_s = compute_s - prefill_s
         if prefill_s > 0:
             self.stats.target_prefill_s += prefill_s

@@ -24,7 +24,11 @@ def _level(level: float, observed_s: float, calibrated_s: float) -> float:
     return 0.8 * level + 0.2 * ratio
 
 
-def _scaled(cost, level: float):
+def _added(totals: tuple[float, float], observed_s: float, calibrated_s: float):
+    return totals[0] + observed_s, totals[1] + calibrated_s
+
+
+def scaled(cost, level: float):
     """The calibrated table with every time multiplied by ``level``."""
     return replace(cost, table=tuple((tokens, seconds * level) for tokens, seconds in cost.table))
 
@@ -42,14 +46,30 @@ class Costs:
     num_draft: int = 0
     verify_level: float = 1.0  # observed / calibrated time (running), for calibrated tables
     draft_level: float = 1.0
+    # Totals of observed and calibrated seconds over all samples: the mean level of a run
+    # (what a simulation of that run should be given; the running level follows its end).
+    verify_totals: tuple[float, float] = (0.0, 0.0)
+    draft_totals: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def mean_verify_level(self) -> float:
+        observed, calibrated = self.verify_totals
+        return observed / calibrated if calibrated > 0 else 1.0
+
+    @property
+    def mean_draft_level(self) -> float:
+        observed, calibrated = self.draft_totals
+        return observed / calibrated if calibrated > 0 else 1.0
 
     def add_verify(self, batch: int, tokens: int, seconds: float, prior: VerifyCost) -> None:
         self.verify_samples = [*self.verify_samples[-COST_SAMPLES + 1 :], (batch, tokens, seconds)]
         self.num_verify += 1
         if prior.table:  # a calibrated shape, its level tracked from the rounds (see _level)
-            self.verify_level = _level(self.verify_level, seconds, prior.seconds(batch, tokens))
+            calibrated = prior.seconds(batch, tokens)
+            self.verify_level = _level(self.verify_level, seconds, calibrated)
+            self.verify_totals = _added(self.verify_totals, seconds, calibrated)
             if self.num_verify % REFIT_EVERY == 0:
-                self.verify = _scaled(prior, self.verify_level)
+                self.verify = scaled(prior, self.verify_level)
         elif self.num_verify <= REFIT_EVERY or self.num_verify % REFIT_EVERY == 0:
             self.verify = fit_verify_cost(self.verify_samples, prior)
 
@@ -57,9 +77,11 @@ class Costs:
         self.draft_samples = [*self.draft_samples[-COST_SAMPLES + 1 :], (batch, seconds_per_step)]
         self.num_draft += 1
         if prior.table:
-            self.draft_level = _level(self.draft_level, seconds_per_step, prior.seconds(batch))
+            calibrated = prior.seconds(batch)
+            self.draft_level = _level(self.draft_level, seconds_per_step, calibrated)
+            self.draft_totals = _added(self.draft_totals, seconds_per_step, calibrated)
             if self.num_draft % REFIT_EVERY == 0:
-                self.draft = _scaled(prior, self.draft_level)
+                self.draft = scaled(prior, self.draft_level)
         elif self.num_draft <= REFIT_EVERY or self.num_draft % REFIT_EVERY == 0:
             self.draft = fit_draft_cost(self.draft_samples, prior)
 
