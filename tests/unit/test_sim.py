@@ -469,14 +469,16 @@ def test_speculation_on_at_concurrency_one_on_the_same_costs():
     assert row["speedup"] > 1.2
 
 
-def _running_coordinator(latency, acceptance, config, *, num_requests, max_tokens, watch):
+def _running_coordinator(
+    latency, acceptance, config, *, num_requests, max_tokens, watch, num_draft_workers=1
+):
     """Run ``num_requests`` requests at once through a coordinator on simulated workers;
     ``watch(coordinator, target)`` runs as a task beside them. Returns the outputs."""
 
     async def main():
         inbox = SimInbox()
         target = SimTargetBackend(latency, acceptance, inbox, random.Random(0))
-        drafts = SimDraftBackend(1, latency, inbox)
+        drafts = SimDraftBackend(num_draft_workers, latency, inbox)
         coordinator = Coordinator(target, drafts, config, vocab_size=64)
         await coordinator.start()
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -555,3 +557,48 @@ def test_probes_at_a_large_batch_send_scouts_only():
     assert len(scouting) >= 5 and probes[-5:] == [SCOUT_REQUESTS] * 5, probes
     drafted = {o.request_id for o in outputs if o.metrics.num_drafts}
     assert len(drafted) > 2 * SCOUT_REQUESTS, "scouts rotate over the batch"
+
+
+def test_each_micro_batch_drafts_on_its_own_workers():
+    """Two micro-batches, four draft workers: micro-batch i's requests draft on workers
+    i and i + 2 only, so one micro-batch's drafting never queues behind the other's. (Two
+    requests first measure the acceptance; the split pays for the six that come next.)"""
+    latency = LatencyModel(
+        verify=VerifyCost(0.0, 0.0, 0.0, table=((1, 0.02), (256, 0.025))),  # GPU-like
+        draft_step=DraftCost(0.002, 0.00004),
+        rtt_s=0.0002,
+    )
+    config = CoordinatorConfig(
+        num_micro_batches=2,
+        num_speculative_tokens=4,
+        verify_prior=latency.verify,  # known costs: the split is decided at admission
+        draft_prior=latency.draft_step,
+    )
+    seen = []  # (micro-batch, draft worker) of every running request, sampled
+
+    async def watch(coordinator, _target):
+        await asyncio.sleep(0.5)
+        params = SamplingParams(temperature=0.0, max_tokens=150)
+        for _ in range(6):
+            await coordinator.submit([5, 6, 7], params)
+        while True:
+            await asyncio.sleep(0.05)
+            seen.extend(
+                (index, request.draft_worker)
+                for index, batch in enumerate(coordinator._batches)
+                for request in batch
+            )
+
+    outputs = _running_coordinator(
+        latency,
+        AcceptanceModel((0.8,), 0.7),
+        config,
+        num_requests=2,
+        max_tokens=200,
+        watch=watch,
+        num_draft_workers=4,
+    )
+    assert all(len(output.token_ids) == 200 for output in outputs)
+    assert {index for index, _ in seen} == {0, 1}, "the split pays: both micro-batches run"
+    assert all(worker % 2 == index for index, worker in seen), sorted(set(seen))
+    assert {worker for _, worker in seen} == {0, 1, 2, 3}
