@@ -46,12 +46,17 @@ log = logging.getLogger(__name__)
 # restarted target): missing rows cost acceptance, never exactness, and far less than stalling
 # the target's round (its draft deadline is seconds).
 FEATURE_WAIT_S = 0.05
+# How long a draft-ahead with nothing left to draft waits for a verdict, to draft the next block
+# from it: any other call ends the wait at once, so it only bounds idling on a lost verdict.
+VERDICT_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
 class _Drafted:
     token_id: int
-    encoded: EncodedDraftProbs  # [1, ...]: the q row it was sampled from, in wire form
+    # [1, ...]: the q row it was sampled from, in wire form; None for a committed token a
+    # verdict brought (history to draft from, never sent)
+    encoded: EncodedDraftProbs | None
 
 
 class DraftWorker:
@@ -103,6 +108,10 @@ class DraftWorker:
         self.speculated: dict[str, list[_Drafted]] = {}
         self._spec_base: dict[str, int] = {}
         self._verdict_step: dict[str, int] = {}  # latest verdict seen per request
+        # The committed tokens of each request's latest verdict (step, tokens): a draft-ahead
+        # folds them in and drafts the next block from the true history before it is asked.
+        self._verdict_tokens: dict[str, tuple[int, list[int]]] = {}
+        self.folded_verdicts = 0
         self._lock = threading.Lock()  # one drafting call at a time
         self._queue_lock = threading.Lock()
         self._calls_waiting = 0  # calls blocked on _lock: draft-ahead yields to them
@@ -113,6 +122,7 @@ class DraftWorker:
         self.blocks_dropped_by_faults = 0
         self.bytes_sent = 0
         self.busy_s = 0.0  # time spent drafting (its utilisation drives draft autoscaling)
+        self._idle_s = 0.0  # of the current call: waiting for verdicts, not drafting
 
     # ---- stream to the target ----------------------------------------------------------
     def connect(self, target_address: str) -> None:
@@ -149,6 +159,8 @@ class DraftWorker:
         with self._features_ready:
             previous = self._verdict_step.get(verdict.request_id, -1)
             self._verdict_step[verdict.request_id] = max(previous, verdict.step)
+            if verdict.step >= previous:
+                self._verdict_tokens[verdict.request_id] = (verdict.step, list(verdict.token_ids))
             self._features_ready.notify_all()
 
     def _receive_features(self, verdict) -> None:
@@ -193,8 +205,9 @@ class DraftWorker:
         (committed tokens this worker has not seen; all of them on first sight, with
         ``prompt_token_ids``, ``params``, ``seed``). With ``draft_ahead``, after sending, the
         worker keeps drafting past each block (as if it were fully accepted and the bonus token
-        were its own next draft) until the verdict arrives, another call is waiting, or k + 1
-        tokens are ahead. The next call keeps the drafts whose assumed history was committed.
+        were its own next draft) until the verdict arrives, then from the tokens the verdict
+        committed up to a next block of k, while no other call is waiting. The next call keeps
+        the drafts whose assumed history was committed.
         """
         with self._turn():
             started = time.perf_counter()
@@ -234,7 +247,7 @@ class DraftWorker:
             return {
                 "num_requests": len(states),
                 "bytes": sent_bytes,
-                "draft_s": time.perf_counter() - started,
+                "draft_s": time.perf_counter() - started - self._idle_s,  # drafting only
                 "steps": steps,
                 "reused_tokens": sum(
                     min(count, item["k"]) for count, item in zip(reused, round_spec, strict=True)
@@ -259,6 +272,8 @@ class DraftWorker:
         """Hold the drafter; while waiting for it, a draft-ahead in progress yields."""
         with self._queue_lock:
             self._calls_waiting += 1
+        with self._features_ready:  # a draft-ahead waiting for a verdict yields at once
+            self._features_ready.notify_all()
         with self._lock:
             with self._queue_lock:
                 self._calls_waiting -= 1
@@ -266,7 +281,8 @@ class DraftWorker:
             try:
                 yield
             finally:
-                self.busy_s += time.perf_counter() - started
+                self.busy_s += time.perf_counter() - started - self._idle_s
+                self._idle_s = 0.0
 
     def _await_features(self, states: list[RequestState]) -> None:
         """Wait (at most FEATURE_WAIT_S) for rows h_0 .. h_{T-2} of requests whose last block's
@@ -332,6 +348,8 @@ class DraftWorker:
             speculated = []
         else:
             speculated = speculated[len(committed_since) :]
+        if any(entry.encoded is None for entry in speculated):  # a folded verdict's token
+            speculated = []  # (only ever kept as committed history, never sent as a draft)
         self.speculated[request_id] = speculated
         self._spec_base[request_id] = len(state.output_token_ids)
         return speculated
@@ -358,17 +376,27 @@ class DraftWorker:
             steps += max(missing for _, missing in asks)
 
     def _draft_ahead(self, round_spec: list[dict], states: list[RequestState]) -> tuple[int, int]:
-        """Draft one token at a time past the blocks while nothing else is waiting."""
+        """Draft one token at a time past the blocks while nothing else is waiting: until the
+        verdict, as if the block were fully accepted and the bonus token were the next draft;
+        once the verdict is here, from the history it committed, up to a next full block (so
+        the next call finds its block drafted instead of starting after the round trip)."""
         drafted = steps = 0
+        deadline = time.monotonic() + VERDICT_WAIT_S
         while not self._calls_waiting:
-            open_ = [
-                state
-                for item, state in zip(round_spec, states, strict=True)
-                if self._verdict_step.get(state.request_id, -1) < item["step"]
-                and len(self.speculated[state.request_id]) < 2 * item["k"] + 1
-            ]
+            open_ = []
+            for item, state in zip(round_spec, states, strict=True):
+                request_id, limit = state.request_id, 2 * item["k"] + 1
+                if self._verdict_step.get(request_id, -1) >= item["step"]:
+                    folded = self._fold_verdict(state, item["step"])
+                    if folded is None:
+                        continue
+                    limit = folded + item["k"]
+                if len(self.speculated[request_id]) < limit:
+                    open_.append(state)
             if not open_:
-                break
+                if not self._await_verdict(round_spec, states, deadline):
+                    break
+                continue
             targets = [len(self.speculated[state.request_id]) + 1 for state in open_]
             before = sum(len(self.speculated[state.request_id]) for state in open_)
             steps += self._extend(open_, targets)
@@ -377,6 +405,48 @@ class DraftWorker:
                 break
             drafted += added
         return drafted, steps
+
+    def _await_verdict(self, round_spec, states, deadline: float) -> bool:
+        """Wait (idle) for a verdict still due for this call's blocks; False when none is due,
+        another call is waiting, or the deadline passed."""
+        started = time.perf_counter()
+        try:
+            with self._features_ready:
+                while not self._calls_waiting:
+                    due = any(
+                        self._verdict_step.get(state.request_id, -1) < item["step"]
+                        for item, state in zip(round_spec, states, strict=True)
+                    )
+                    remaining = deadline - time.monotonic()
+                    if not due or remaining <= 0:
+                        return False
+                    if self._features_ready.wait(remaining) and not self._calls_waiting:
+                        return True  # a verdict (or rows) arrived: look again
+                return False
+        finally:
+            self._idle_s += time.perf_counter() - started
+
+    def _fold_verdict(self, state: RequestState, step: int) -> int | None:
+        """Make the speculated tokens start with what the verdict of ``step`` committed: the
+        accepted drafts, then its last token (kept if it is the draft's own next draft, else
+        put in as committed history, without q). Returns how many speculated tokens are now
+        committed ones; None if there is nothing to draft (another step's verdict, a verdict
+        that does not extend these drafts, or a request at its last token)."""
+        request_id = state.request_id
+        with self._features_ready:
+            verdict_step, tokens = self._verdict_tokens.get(request_id, (-1, []))
+        speculated = self.speculated[request_id]
+        accepted = len(tokens) - 1
+        if verdict_step != step or accepted < 0 or accepted > len(speculated):
+            return None
+        if [entry.token_id for entry in speculated[:accepted]] != tokens[:accepted]:
+            return None
+        if len(state.output_token_ids) + len(tokens) >= state.params.max_tokens:
+            return None
+        if len(speculated) == accepted or speculated[accepted].token_id != tokens[-1]:
+            self.speculated[request_id] = [*speculated[:accepted], _Drafted(tokens[-1], None)]
+            self.folded_verdicts += 1
+        return len(tokens)
 
     def _draft_request(self, state: RequestState, num_tokens: int) -> DraftRequest:
         history = [*state.output_token_ids, *self._tokens(state.request_id)]
@@ -400,11 +470,11 @@ class DraftWorker:
     def calibrate(self, batches: list[int]) -> list[tuple[int, float]]:
         """Time one draft step per batch size: the draft cost model (0 for model-free drafts)."""
         runner = getattr(self.drafter, "runner", None)
-        with self._lock:
+        with self._turn():
             return [(batch, runner.time_forward(batch, 1) if runner else 0.0) for batch in batches]
 
     def release(self, request_ids: list[str]) -> None:
-        with self._lock:
+        with self._turn():  # also ends a draft-ahead's wait for a verdict
             self._forget(request_ids)
 
     def _forget(self, request_ids: list[str]) -> None:
@@ -415,6 +485,7 @@ class DraftWorker:
                 self.speculated.pop(request_id, None)
                 self._spec_base.pop(request_id, None)
                 self._verdict_step.pop(request_id, None)
+                self._verdict_tokens.pop(request_id, None)
                 self._sent_step.pop(request_id, None)
                 self._features.pop(request_id, None)
 
@@ -429,6 +500,7 @@ class DraftWorker:
     def stats(self) -> dict:
         return {
             "verdicts_received": self.verdicts_received,
+            "folded_verdicts": self.folded_verdicts,
             "bytes_sent": self.bytes_sent,
             "busy_s": self.busy_s,
             "num_requests": len(self.requests),

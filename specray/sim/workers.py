@@ -23,8 +23,10 @@ requests at a time, while no other call is waiting for it and, per request, the 
 arrived and fewer than k + 1 tokens are ahead. A fully accepted block whose bonus token matches
 the draft's own guess (probability ``bonus_match``, drawn by the target) makes the tokens
 drafted after the guess valid: the next call reuses them (``reused_tokens``) and drafts only the
-rest. Like the real worker, ``release`` waits behind a running call without cutting a
-draft-ahead short.
+rest. Any other verdict, once it arrives, is folded in: the worker drafts the next block (up to
+k tokens) from the history it committed, and the next call reuses those (with nothing left to
+draft, the worker idles until the verdict comes). Any call, ``release`` too, ends a draft-ahead
+at its next step, as on the real worker.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from specray.sim.model import AcceptanceModel, LatencyModel
 
 SIM_TOKEN_ID = 1  # every committed token; never a stop token in the simulation
+VERDICT_WAIT_S = 2.0  # as the real draft worker's
 
 
 def _now() -> float:
@@ -59,6 +62,7 @@ class _Verdict:
     step: int
     arrive_s: float  # when it reaches the draft worker
     ahead_valid: bool  # all drafts accepted and the bonus token was the draft's own guess
+    finished: bool = False  # the request ended in this round: nothing more to draft
 
 
 class SimInbox:
@@ -69,6 +73,7 @@ class SimInbox:
         self._verified_step: dict[str, int] = {}  # blocks for older steps are dropped on arrival
         self._verdicts: dict[str, _Verdict] = {}
         self._waiters: list[asyncio.Future] = []
+        self._verdict_waiters: list[asyncio.Future] = []
 
     def deposit(self, request_id: str, step: int, block: _Block) -> None:
         if step <= self._verified_step.get(request_id, 0):
@@ -109,6 +114,14 @@ class SimInbox:
 
     def post_verdict(self, request_id: str, verdict: _Verdict) -> None:
         self._verdicts[request_id] = verdict
+        for waiter in self._verdict_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._verdict_waiters.clear()
+
+    def watch_verdicts(self, waiter: asyncio.Future) -> None:
+        """Resolve ``waiter`` when the next verdict is posted."""
+        self._verdict_waiters.append(waiter)
 
     def verdict(self, request_id: str) -> _Verdict | None:
         return self._verdicts.get(request_id)
@@ -202,7 +215,7 @@ class SimTargetBackend:
             state.committed += count
             finished = state.committed >= state.max_tokens
             if (request_id, item["step"]) in arrived:  # the draft streamed it: it gets a verdict
-                verdict = _Verdict(item["step"], verdict_s, ahead_valid and not finished)
+                verdict = _Verdict(item["step"], verdict_s, ahead_valid and not finished, finished)
                 self.inbox.post_verdict(request_id, verdict)
             results.append(
                 {
@@ -247,6 +260,8 @@ class _DraftRequest:
     committed: int
     last_step: int | None = None  # step of the last block drafted
     ahead: int = 0  # tokens drafted past the last block (the first is the bonus guess)
+    folded_step: int | None = None  # the step whose verdict it drafts the next block from
+    next_block: int = 0  # tokens drafted from that verdict's committed history
 
 
 class _SimDraftWorker:
@@ -255,11 +270,12 @@ class _SimDraftWorker:
         self.requests: dict[str, _DraftRequest] = {}
         self._lock = asyncio.Lock()  # one call at a time, FIFO
         self._calls_waiting = 0  # proposes queued behind the running call: draft-ahead yields
+        self._wakers: list[asyncio.Future] = []  # a draft-ahead waiting for a verdict
 
     async def propose(self, items: list[dict], draft_ahead: bool) -> dict:
         latency = self.latency
         await _sleep(latency.rtt_s / 2 + latency.coordinator_overhead_s)
-        self._calls_waiting += 1
+        self._arrive()
         async with self._lock:
             self._calls_waiting -= 1
             reply = await self._propose(items, draft_ahead)
@@ -270,7 +286,7 @@ class _SimDraftWorker:
         """Take on new requests (their state; prefill time for their committed tokens)."""
         latency = self.latency
         await _sleep(latency.rtt_s / 2 + latency.coordinator_overhead_s)
-        self._calls_waiting += 1
+        self._arrive()
         async with self._lock:
             self._calls_waiting -= 1
             started = _now()
@@ -278,6 +294,41 @@ class _SimDraftWorker:
             draft_s = _now() - started
         await _sleep(latency.rtt_s / 2)
         return {"num_requests": len(items), "draft_s": draft_s}
+
+    def _arrive(self) -> None:
+        """A call queues for the worker: a draft-ahead yields, and stops waiting for verdicts."""
+        self._calls_waiting += 1
+        for waker in self._wakers:
+            if not waker.done():
+                waker.set_result(None)
+        self._wakers.clear()
+
+    async def _await_verdict(self, items: list[dict], deadline_s: float) -> bool:
+        """Idle until a verdict due for these blocks arrives (True), or a call comes, none is
+        due or the deadline passes (False): as the real worker, which drafts from it."""
+        loop = asyncio.get_running_loop()
+        while not self._calls_waiting:
+            now = loop.time()
+            posted, unposted = [], False
+            for item in items:
+                verdict = self.inbox.verdict(item["request_id"])
+                if verdict is None or verdict.step < item["step"]:
+                    unposted = True
+                elif verdict.arrive_s > now:
+                    posted.append(verdict.arrive_s)
+            if not (posted or unposted) or now >= deadline_s:
+                return False
+            if posted:
+                await _sleep(min(posted) - now)
+                return True
+            waker = loop.create_future()
+            self._wakers.append(waker)
+            self.inbox.watch_verdicts(waker)
+            try:
+                await asyncio.wait_for(waker, deadline_s - now)
+            except TimeoutError:
+                return False
+        return False
 
     async def _sync(self, items: list[dict]) -> list[_DraftRequest]:
         """The requests' states, created on first sight (after a prefill's time)."""
@@ -341,27 +392,48 @@ class _SimDraftWorker:
             and verdict.ahead_valid
         ):
             valid = max(state.ahead - 1, 0)  # the first token ahead was the bonus guess
+        elif (
+            state.last_step is not None
+            and item["step"] == state.last_step + 1
+            and state.folded_step == state.last_step
+        ):
+            valid = state.next_block  # drafted from the verdict's committed tokens
         reused = min(valid, item["k"])
         state.ahead = valid - reused
+        state.folded_step, state.next_block = None, 0
         return reused
 
     async def _draft_ahead(self, items: list[dict], states: list[_DraftRequest]):
         drafted = steps = 0
         loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + VERDICT_WAIT_S
         while not self._calls_waiting:
             now = loop.time()
             open_ = []
             for item, state in zip(items, states, strict=True):
                 verdict = self.inbox.verdict(item["request_id"])
                 heard = verdict is not None and verdict.step >= item["step"]
-                if (heard and verdict.arrive_s <= now) or state.ahead >= item["k"] + 1:
-                    continue
-                open_.append(state)
+                if heard and verdict.arrive_s <= now:
+                    # As the real worker: a verdict that did not confirm the drafts ahead is
+                    # folded in and the next block drafted from what it committed.
+                    if verdict.step != item["step"] or verdict.ahead_valid or verdict.finished:
+                        continue
+                    if state.folded_step != item["step"]:
+                        state.folded_step, state.next_block, state.ahead = item["step"], 0, 0
+                    if state.next_block < item["k"]:
+                        open_.append(state)
+                elif state.ahead < item["k"] + 1:
+                    open_.append(state)
             if not open_:
+                if await self._await_verdict(items, deadline_s):
+                    continue
                 break
             await _sleep(self.latency.draft_step.seconds(len(open_)))
             for state in open_:
-                state.ahead += 1
+                if state.folded_step is not None:
+                    state.next_block += 1
+                else:
+                    state.ahead += 1
             drafted += len(open_)
             steps += 1
         return drafted, steps
@@ -369,7 +441,9 @@ class _SimDraftWorker:
     async def release(self, request_ids: list[str]) -> None:
         latency = self.latency
         await _sleep(latency.rtt_s / 2 + latency.coordinator_overhead_s)
+        self._arrive()
         async with self._lock:
+            self._calls_waiting -= 1
             for request_id in request_ids:
                 self.requests.pop(request_id, None)
                 self.inbox.forget(request_id)

@@ -269,6 +269,17 @@ def _actors(class_name: str) -> list:
     return [a for a in actors if a.class_name == class_name and a.node_id in live_nodes]
 
 
+def _live_actors(class_name: str, timeout_s: float = 60.0) -> list:
+    """``_actors``, waiting for one to be alive: a replacement for one an earlier fault killed
+    may still be starting."""
+    deadline = time.monotonic() + timeout_s
+    while not (actors := _actors(class_name)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not actors:
+        raise RuntimeError(f"no live {class_name} to inject a fault into after {timeout_s} s")
+    return actors
+
+
 def _kill_pid(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
@@ -281,7 +292,7 @@ def inject(fault: Fault, state) -> tuple[str, tuple[str, int] | None]:
     from specray.serve.registry import get_registry
 
     if fault.kind == "kill_draft_worker":
-        actor = random.choice(_actors("DraftWorker"))
+        actor = random.choice(_live_actors("DraftWorker"))
         _kill_pid(actor.pid)
         return f"SIGKILL draft worker pid {actor.pid}", ("DraftWorker", actor.pid)
     if fault.kind == "kill_target_rank":

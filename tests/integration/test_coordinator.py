@@ -115,7 +115,8 @@ def _samples(text: str) -> dict[str, float]:
 
 def test_draft_ahead_sampling_follows_the_target(cluster, tiny_pair):
     """One micro-batch, fixed k = 1, draft-ahead on: drafts made while a block was verified are
-    reused when their assumed history was committed. n = 2000 sequences of length 6, seeds
+    reused when their assumed history was committed, and once the verdict is in, the next block
+    is drafted from the history it committed. n = 2000 sequences of length 6, seeds
     10000..11999; chi-square at ALPHA = 0.001 of the last 3 tokens (where drafts made ahead are
     verified; the first round runs target-only while the draft takes the request on) against
     the target's exact marginal law; negative control as above."""
@@ -133,10 +134,15 @@ def test_draft_ahead_sampling_follows_the_target(cluster, tiny_pair):
         stats = engine.runner.coordinator.stats
         _, fit, control = _sample_and_fit(engine, target_model, [4, 0], 2000, 6, 10_000, tail=3)
         reused = stats.reused_tokens
+        folded = ray.get(engine.backend.drafts[0].stats.remote())["folded_verdicts"]
     finally:
         engine.shutdown()
-    print(f"draft-ahead: {fit.describe()}; control {control.describe()}; reused {reused}")
+    print(
+        f"draft-ahead: {fit.describe()}; control {control.describe()}; reused {reused}; "
+        f"verdicts folded in {folded}"
+    )
     assert reused > 0, "some drafts made ahead were kept"
+    assert folded > 0, "some blocks were drafted from a verdict before they were asked for"
     assert fit.impossible_count == 0 and fit.p_value > ALPHA, fit.describe()
     assert control.p_value < ALPHA, "negative control must be rejected"
 

@@ -583,9 +583,9 @@ def test_each_micro_batch_drafts_on_its_own_workers():
             await coordinator.submit([5, 6, 7], params)
         while True:
             await asyncio.sleep(0.05)
-            seen.extend(
-                (index, request.draft_worker)
-                for index, batch in enumerate(coordinator._batches)
+            seen.extend(  # the micro-batch it joined (a merge keeps its worker)
+                (request.batch_index, request.draft_worker)
+                for batch in coordinator._batches
                 for request in batch
             )
 
@@ -602,3 +602,35 @@ def test_each_micro_batch_drafts_on_its_own_workers():
     assert {index for index, _ in seen} == {0, 1}, "the split pays: both micro-batches run"
     assert all(worker % 2 == index for index, worker in seen), sorted(set(seen))
     assert {worker for _, worker in seen} == {0, 1, 2, 3}
+
+
+def test_a_rejecting_verdict_is_folded_in_and_the_next_block_drafted_early():
+    """Every draft rejected (bonus never the draft's guess): the drafts made ahead are void,
+    but once the verdict arrives the worker drafts the next block from what it committed, and
+    the next call reuses all of it instead of drafting after the round trip."""
+    latency = _latency(rtt_s=0.002, coordinator_overhead_s=0.0)
+
+    async def main():
+        inbox = SimInbox()
+        target = SimTargetBackend(latency, AcceptanceModel((0.0,), 0.0), inbox, random.Random(0))
+        drafts = SimDraftBackend(1, latency, inbox)
+        spec = {"prompt_token_ids": [1, 2], "params": {"max_tokens": 50}, "seed": 0}
+        committed, replies = 0, []
+        for step in (1, 2):
+            draft_item = {"request_id": "r", "step": step, "k": 3, "num_committed": committed}
+            draft_item |= {key: spec[key] for key in ("prompt_token_ids", "params", "seed")}
+            draft_item["new_token_ids"] = [1] * committed if step > 1 else []
+            if step > 1:
+                del draft_item["prompt_token_ids"], draft_item["params"], draft_item["seed"]
+            item = {"request_id": "r", "step": step, "num_committed": committed}
+            item |= {"expect_draft": True} | (spec if step == 1 else {})
+            proposal = asyncio.ensure_future(drafts.propose(0, [draft_item], True))
+            reply = await target.verify([item], draft_deadline_s=5.0)
+            replies.append((reply, await proposal))
+            committed += len(reply["results"][0]["token_ids"])
+        return replies
+
+    (first, first_draft), (second, second_draft) = run_virtual(main())
+    assert first["results"][0]["num_accepted"] == 0
+    assert second_draft["reused_tokens"] == 3, "the whole next block was drafted from the verdict"
+    assert second["wait_s"] < first["wait_s"]
