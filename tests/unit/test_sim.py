@@ -630,7 +630,7 @@ def test_a_rejecting_verdict_is_folded_in_and_the_next_block_drafted_early():
             committed += len(reply["results"][0]["token_ids"])
         return replies
 
-    (first, first_draft), (second, second_draft) = run_virtual(main())
+    (first, _), (second, second_draft) = run_virtual(main())
     assert first["results"][0]["num_accepted"] == 0
     assert second_draft["reused_tokens"] == 3, "the whole next block was drafted from the verdict"
     assert second["wait_s"] < first["wait_s"]
