@@ -386,6 +386,8 @@ class DraftWorker:
             open_ = []
             for item, state in zip(round_spec, states, strict=True):
                 request_id, limit = state.request_id, 2 * item["k"] + 1
+                if not item.get("ahead", True):  # before the verdict: not worth it (policy)
+                    limit = item["k"]
                 if self._verdict_step.get(request_id, -1) >= item["step"]:
                     folded = self._fold_verdict(state, item["step"])
                     if folded is None:

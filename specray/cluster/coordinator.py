@@ -42,6 +42,7 @@ from specray.cluster.policy import (
     VerifyCost,
     choose_k,
     predicted_tokens_per_s,
+    should_draft_ahead,
     should_probe,
 )
 from specray.cluster.streams import RequestStream
@@ -78,6 +79,9 @@ class CoordinatorConfig:
     num_speculative_tokens: int = 8  # the largest k
     adaptive_k: bool = True  # choose k per request and round from measurements
     draft_ahead: bool = True  # the draft keeps drafting while its block is verified
+    # ... before the verdict only for a block kept whole with at least this probability (after
+    # it, from the committed tokens, always); 0: always
+    draft_ahead_min_hit: float = 0.5
     draft_deadline_s: float = 5.0  # the target waits this long for a block, then goes alone
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     # Cost priors until measurements arrive (seconds); the online fits replace them.
@@ -103,6 +107,10 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not self.draft_deadline_s > 0:
             raise ValueError(f"draft_deadline_s must be > 0, got {self.draft_deadline_s!r}")
+        if not 0 <= self.draft_ahead_min_hit <= 1:
+            raise ValueError(
+                f"draft_ahead_min_hit must be in [0, 1], got {self.draft_ahead_min_hit!r}"
+            )
         if not self.rtt_prior_s >= 0:
             raise ValueError(f"rtt_prior_s must be >= 0, got {self.rtt_prior_s!r}")
         if self.policy.max_k != self.num_speculative_tokens:
@@ -801,6 +809,9 @@ class Coordinator:
             "k": k,
             "num_committed": len(state.output_token_ids),
         }
+        if k > 0 and self.config.draft_ahead:  # drafts before the verdict: only if kept likely
+            acceptance = request.estimator.acceptance(k + 1)
+            item["ahead"] = should_draft_ahead(acceptance, k, self.config.draft_ahead_min_hit)
         if request.draft_known is None:
             spec = state.to_spec()
             item |= {key: spec[key] for key in ("prompt_token_ids", "params", "seed")}

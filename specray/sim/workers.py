@@ -271,6 +271,7 @@ class _SimDraftWorker:
         self._lock = asyncio.Lock()  # one call at a time, FIFO
         self._calls_waiting = 0  # proposes queued behind the running call: draft-ahead yields
         self._wakers: list[asyncio.Future] = []  # a draft-ahead waiting for a verdict
+        self._idle_s = 0.0  # of the current propose: waiting for verdicts, not drafting
 
     async def propose(self, items: list[dict], draft_ahead: bool) -> dict:
         latency = self.latency
@@ -306,6 +307,14 @@ class _SimDraftWorker:
     async def _await_verdict(self, items: list[dict], deadline_s: float) -> bool:
         """Idle until a verdict due for these blocks arrives (True), or a call comes, none is
         due or the deadline passes (False): as the real worker, which drafts from it."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            return await self._wait_for_verdict(items, deadline_s)
+        finally:
+            self._idle_s += loop.time() - started
+
+    async def _wait_for_verdict(self, items: list[dict], deadline_s: float) -> bool:
         loop = asyncio.get_running_loop()
         while not self._calls_waiting:
             now = loop.time()
@@ -366,14 +375,14 @@ class _SimDraftWorker:
             block = _Block(item["k"], item["num_committed"], arrive_s)
             self.inbox.deposit(item["request_id"], item["step"], block)
             state.last_step = item["step"]
-        ahead = 0
+        ahead, self._idle_s = 0, 0.0
         if draft_ahead:
             ahead, ahead_steps = await self._draft_ahead(items, states)
             steps += ahead_steps
         return {
             "num_requests": len(items),
             "bytes": latency.bytes_per_token * sum(item["k"] for item in items),
-            "draft_s": _now() - started,
+            "draft_s": _now() - started - self._idle_s,  # drafting only, as the real worker
             "steps": steps,
             "reused_tokens": sum(reused),
             "ahead_tokens": ahead,
@@ -422,7 +431,7 @@ class _SimDraftWorker:
                         state.folded_step, state.next_block, state.ahead = item["step"], 0, 0
                     if state.next_block < item["k"]:
                         open_.append(state)
-                elif state.ahead < item["k"] + 1:
+                elif state.ahead < item["k"] + 1 and item.get("ahead", True):
                     open_.append(state)
             if not open_:
                 if await self._await_verdict(items, deadline_s):

@@ -128,6 +128,7 @@ def test_draft_ahead_sampling_follows_the_target(cluster, tiny_pair):
         num_speculative_tokens=1,
         adaptive_k=False,
         draft_ahead=True,
+        draft_ahead_min_hit=0.0,  # before every verdict too, whatever the acceptance
     )
     engine = Engine(target_dir, draft=draft_dir, cluster=cluster[0].address, coordinator=config)
     try:

@@ -12,10 +12,12 @@ from specray.cluster.policy import (
     PolicyConfig,
     VerifyCost,
     choose_k,
+    draft_ahead_hit,
     expected_committed,
     fit_draft_cost,
     fit_verify_cost,
     predicted_tokens_per_s,
+    should_draft_ahead,
     should_probe,
     tabulate,
 )
@@ -368,3 +370,14 @@ def test_tabulate_averages_repeats_and_removes_dips():
                                  (16.0, 0.080))  # fmt: skip
     increasing = [(1, 0.01), (2, 0.02), (4, 0.03)]
     assert tabulate(increasing) == ((1.0, 0.01), (2.0, 0.02), (4.0, 0.03))
+
+
+def test_draft_ahead_only_for_blocks_likely_kept_whole():
+    # Kept: all k drafts accepted and the bonus token equal to the draft's next guess.
+    assert draft_ahead_hit([0.8, 0.5], 2) == pytest.approx(0.8 * 0.5 * 0.5)
+    assert draft_ahead_hit([0.9], 3) == pytest.approx(0.9**4)  # later positions reuse the last
+    assert should_draft_ahead([0.95], 4, 0.5)  # a close draft: 0.77
+    assert not should_draft_ahead([0.45, 0.6, 0.8], 3, 0.5)  # the shipped pair here: 0.17
+    assert should_draft_ahead([0.0], 4, 0.0)  # min_hit 0: always
+    with pytest.raises(ValueError, match="min_hit"):
+        should_draft_ahead([0.5], 1, 1.5)
