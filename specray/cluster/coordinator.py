@@ -765,7 +765,7 @@ class Coordinator:
         if self.drafts is None or self.config.num_speculative_tokens == 0:
             return
         fresh: dict[int, list[_Request]] = {}
-        for request in requests:
+        for request in self._prefill_wanted(requests):
             if request.draft_known is None and request.max_k > 0:
                 worker = request.draft_worker
                 if worker is None or not self.drafts.available(worker):
@@ -788,6 +788,20 @@ class Coordinator:
                     f, new, worker, generation
                 )
             )
+
+    def _prefill_wanted(self, requests: list[_Request]) -> list[_Request]:
+        """Requests to hand to the draft workers now: all while the batch would speculate;
+        otherwise only enough for SCOUT_REQUESTS scouts, and none if speculation cannot pay
+        at this batch size. A draft prefill computes beside the target (on a shared host it
+        slowed the target's rounds ~10% at concurrency 16 here) and is wasted on a request
+        that never drafts; the others are handed over when speculation comes back."""
+        if not self.config.adaptive_k or self._group_would_speculate(len(requests)):
+            return requests
+        if not self._could_pay(len(requests)):
+            return []
+        held = sum(request.draft_known is not None for request in requests)
+        fresh = [request for request in requests if request.draft_known is None]
+        return fresh[: max(SCOUT_REQUESTS - held, 0)]
 
     def _prefill_done(self, future, requests: list[_Request], worker: int, generation: int):
         if future.exception() is not None:
