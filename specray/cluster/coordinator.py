@@ -206,6 +206,7 @@ class Coordinator:
         # Requests a draft worker may still hold after it failed a call (worker -> ids).
         self._stale_drafts: collections.defaultdict[int, set[str]] = collections.defaultdict(set)
         self._rounds_off = [0] * config.num_micro_batches  # rounds in a row without drafts
+        self._failed_probes = [0] * config.num_micro_batches  # probes in a row that found no gain
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -627,12 +628,14 @@ class Coordinator:
         if 2 * sum(k > 0 for k in ks) <= len(ks):
             ks = [0] * len(ks)
         if any(ks):
-            self._rounds_off[index] = 0
+            self._rounds_off[index] = self._failed_probes[index] = 0
             return ks
         self._rounds_off[index] += 1
-        probe_due = should_probe(self._rounds_off[index], self.config.policy)
+        failed = self._failed_probes[index]
+        probe_due = should_probe(self._rounds_off[index], self.config.policy, failed)
         if any(caps) and probe_due and self._could_pay(len(requests)):
             self._rounds_off[index] = 0
+            self._failed_probes[index] += 1  # reset above when speculation comes back
             probe = [min(self.config.policy.probe_k, cap) for cap in caps]
             if self._group_would_speculate(len(requests)):
                 return probe

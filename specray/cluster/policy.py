@@ -294,12 +294,17 @@ class PolicyConfig:
     max_k: int = 8  # longest draft block considered; 0 disables speculation
     probe_k: int = 2  # k used to re-measure acceptance for a request whose speculation is off
     probe_every_rounds: int = 16  # a request at k=0 is probed again after this many rounds
+    # ... doubled after each probe that did not bring speculation back, at most this many
+    # times (a probe in a large batch pads every request to the probe's width: at batch 16
+    # here, probing every 16 rounds cost 12-15% of throughput)
+    max_probe_backoff: int = 4
     min_gain: float = 1.02  # speculate only when predicted tokens/s beats target-only by this
 
     def __post_init__(self) -> None:
         _check("max_k", self.max_k, 0, MAX_K_LIMIT, integer=True)
         _check("probe_k", self.probe_k, 1, MAX_K_LIMIT, integer=True)
         _check("probe_every_rounds", self.probe_every_rounds, 1, integer=True)
+        _check("max_probe_backoff", self.max_probe_backoff, 0, 16, integer=True)
         _check("min_gain", self.min_gain, 1)
 
 
@@ -356,10 +361,15 @@ def should_draft_ahead(acceptance: Sequence[float], k: int, min_hit: float) -> b
     return draft_ahead_hit(acceptance, k) >= _check("min_hit", min_hit, 0, 1)
 
 
-def should_probe(rounds_since_speculation: int, config: PolicyConfig) -> bool:
-    """A request at k = 0 yields no acceptance data, so it is re-measured periodically."""
+def should_probe(
+    rounds_since_speculation: int, config: PolicyConfig, failed_probes: int = 0
+) -> bool:
+    """A request at k = 0 yields no acceptance data, so it is re-measured periodically: after
+    probe_every_rounds rounds, doubled for each probe in a row that did not bring speculation
+    back (at most max_probe_backoff times). E.g. every 16 rounds, then 32, 64, 128, 256."""
     rounds = _check("rounds_since_speculation", rounds_since_speculation, 0, integer=True)
-    return rounds >= config.probe_every_rounds
+    failed = _check("failed_probes", failed_probes, 0, integer=True)
+    return rounds >= config.probe_every_rounds << min(failed, config.max_probe_backoff)
 
 
 class AcceptanceEstimator:

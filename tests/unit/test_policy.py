@@ -284,6 +284,11 @@ def test_should_probe():
     assert not should_probe(15, PolicyConfig())
     assert should_probe(16, PolicyConfig())
     assert should_probe(1, PolicyConfig(probe_every_rounds=1))
+    # Backoff: each probe in a row that found no gain doubles the wait, up to 2^max times.
+    assert not should_probe(31, PolicyConfig(), failed_probes=1)
+    assert should_probe(32, PolicyConfig(), failed_probes=1)
+    assert not should_probe(255, PolicyConfig(max_probe_backoff=4), failed_probes=9)
+    assert should_probe(256, PolicyConfig(max_probe_backoff=4), failed_probes=9)
 
 
 def _costs(**overrides):

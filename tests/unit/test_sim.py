@@ -528,7 +528,8 @@ def test_probes_at_a_large_batch_send_scouts_only():
     """Sixteen requests whose draft is never accepted: speculation is off, and each periodic
     probe drafts for SCOUT_REQUESTS requests, the ones that drafted longest ago, not for all
     sixteen (which would add probe_k verified tokens to every request). Only those requests are
-    handed to the draft worker (a draft prefill for a request that never drafts is waste)."""
+    handed to the draft worker (a draft prefill for a request that never drafts is waste), and
+    each probe that finds no gain doubles the wait before the next: 16, 32, 64, 128 rounds."""
     from specray.cluster.coordinator import SCOUT_REQUESTS
 
     latency = LatencyModel(
@@ -544,7 +545,7 @@ def test_probes_at_a_large_batch_send_scouts_only():
         verify_prior=latency.verify,
         draft_prior=latency.draft_step,
     )
-    probes = []  # per round with drafts: how many requests drafted
+    probes = []  # per round with drafts: (round, how many requests drafted)
     held = []  # requests the draft worker holds, sampled
 
     async def watch(coordinator, target):
@@ -553,7 +554,7 @@ def test_probes_at_a_large_batch_send_scouts_only():
         async def verify(items, deadline_s):
             drafting = sum(item["expect_draft"] for item in items)
             if drafting:
-                probes.append(drafting)
+                probes.append((target.calls, drafting))
             return await original(items, deadline_s)
 
         target.verify = verify
@@ -562,11 +563,12 @@ def test_probes_at_a_large_batch_send_scouts_only():
             held.append(len(await coordinator.drafts.held_requests(0)))
 
     outputs = _running_coordinator(
-        latency, AcceptanceModel((0.0,)), config, num_requests=16, max_tokens=200, watch=watch
+        latency, AcceptanceModel((0.0,)), config, num_requests=16, max_tokens=400, watch=watch
     )
-    assert all(len(output.token_ids) == 200 for output in outputs)
-    scouting = [count for count in probes if count <= SCOUT_REQUESTS]
-    assert len(scouting) >= 5 and probes[-5:] == [SCOUT_REQUESTS] * 5, probes
+    assert all(len(output.token_ids) == 400 for output in outputs)
+    assert [count for _, count in probes] == [SCOUT_REQUESTS] * 4, probes
+    gaps = [later - earlier for (earlier, _), (later, _) in zip(probes, probes[1:])]
+    assert gaps == [32, 64, 128], gaps  # target rounds from one probe to the next
     drafted = {o.request_id for o in outputs if o.metrics.num_drafts}
     assert len(drafted) >= SCOUT_REQUESTS
     assert held and max(held) <= SCOUT_REQUESTS, held
