@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -567,7 +568,7 @@ def test_probes_at_a_large_batch_send_scouts_only():
     )
     assert all(len(output.token_ids) == 400 for output in outputs)
     assert [count for _, count in probes] == [SCOUT_REQUESTS] * 4, probes
-    gaps = [later - earlier for (earlier, _), (later, _) in zip(probes, probes[1:])]
+    gaps = [later - earlier for (earlier, _), (later, _) in itertools.pairwise(probes)]
     assert gaps == [32, 64, 128], gaps  # target rounds from one probe to the next
     drafted = {o.request_id for o in outputs if o.metrics.num_drafts}
     assert len(drafted) >= SCOUT_REQUESTS
