@@ -261,6 +261,11 @@ class ModelRunner:
             if seq_id in num_hidden:  # [num_hidden, hidden_size], views of this batch
                 first = counts[row] - num_hidden[seq_id]
                 hidden[seq_id] = hidden_or_logits[index, first : counts[row]].float()
+        if subset is not None:
+            # The rows that did not run got `width` masked slots: compact now rather than
+            # carry them (every later step copies and attends over all slots) until a
+            # rollback or removal happens to do it.
+            self._shrink()
         if not wanted:
             return {}, hidden
         # All requested rows through the head in one matmul: the head's weight is read once.

@@ -92,9 +92,13 @@ def test_remove_frees_rows(tiny_model):
     assert runner.seq_ids == [] and runner.cache is None and runner.num_slots == 0
 
 
-def test_only_the_rows_fed_run(tiny_model):
+def test_only_the_rows_fed_run(tiny_model, monkeypatch):
     """A forward over some sequences computes only their rows: a prefill beside decoding
-    requests, or one micro-batch of two, does not pay for the others as padding."""
+    requests, or one micro-batch of two, does not pay for the others as padding; the masked
+    slots it leaves the others are compacted away at once (later steps would copy and attend
+    over them)."""
+    monkeypatch.setattr(runner_module, "COMPACT_MIN_WASTED_SLOTS", 1)
+    monkeypatch.setattr(runner_module, "COMPACT_MIN_WASTED_FRACTION", 0.0)
     runner = ModelRunner(tiny_model)
     batch_sizes = []
     hook = tiny_model.model.embed_tokens.register_forward_hook(
@@ -103,10 +107,12 @@ def test_only_the_rows_fed_run(tiny_model):
     try:
         runner.forward({f"d{i}": [1, 2, 3] for i in range(6)}, {})
         runner.forward({"new": list(range(1, 20))}, {"new": 1})  # a prefill beside 6 others
+        slots_after_prefill = runner.num_slots  # 3 + 19 before compaction
         runner.forward({"d0": [4], "d1": [5]}, {"d0": 1, "d1": 1})  # one micro-batch
     finally:
         hook.remove()
     assert batch_sizes == [6, 1, 2]
+    assert slots_after_prefill == 19
     # The rows that did not run are intact: each continues as if computed alone.
     for seq_id, tokens in (
         ("d2", [1, 2, 3, 7]),
