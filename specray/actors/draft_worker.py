@@ -107,10 +107,9 @@ class DraftWorker:
         # the exact encoded q each was sampled from, and the committed count they start at.
         self.speculated: dict[str, list[_Drafted]] = {}
         self._spec_base: dict[str, int] = {}
-        self._verdict_step: dict[str, int] = {}  # latest verdict seen per request
-        # The committed tokens of each request's latest verdict (step, tokens): a draft-ahead
-        # folds them in and drafts the next block from the true history before it is asked.
-        self._verdict_tokens: dict[str, tuple[int, list[int]]] = {}
+        # Each request's latest verdict: (step, the tokens it committed). A draft-ahead stops
+        # at it, folds the tokens in and drafts the next block from the true history.
+        self._verdicts: dict[str, tuple[int, list[int]]] = {}
         self.folded_verdicts = 0
         self._lock = threading.Lock()  # one drafting call at a time
         self._queue_lock = threading.Lock()
@@ -157,10 +156,8 @@ class DraftWorker:
         if self.feature_drafter is not None:
             self._receive_features(verdict)
         with self._features_ready:
-            previous = self._verdict_step.get(verdict.request_id, -1)
-            self._verdict_step[verdict.request_id] = max(previous, verdict.step)
-            if verdict.step >= previous:
-                self._verdict_tokens[verdict.request_id] = (verdict.step, list(verdict.token_ids))
+            if verdict.step >= self._verdict_step(verdict.request_id):
+                self._verdicts[verdict.request_id] = (verdict.step, list(verdict.token_ids))
             self._features_ready.notify_all()
 
     def _receive_features(self, verdict) -> None:
@@ -293,7 +290,7 @@ class DraftWorker:
                 waiting = [
                     state
                     for state in states
-                    if self._verdict_step.get(state.request_id, -1)
+                    if self._verdict_step(state.request_id)
                     < self._sent_step.get(state.request_id, -1)
                     and len(self._features[state.request_id]) < self._num_tokens(state) - 1
                 ]
@@ -304,6 +301,10 @@ class DraftWorker:
                     self.feature_waits_timed_out += 1
                     return
                 self._features_ready.wait(remaining)
+
+    def _verdict_step(self, request_id: str) -> int:
+        """The step of the latest verdict seen for a request (-1: none yet)."""
+        return self._verdicts.get(request_id, (-1, None))[0]
 
     @staticmethod
     def _num_tokens(state: RequestState) -> int:
@@ -388,7 +389,7 @@ class DraftWorker:
                 request_id, limit = state.request_id, 2 * item["k"] + 1
                 if not item.get("ahead", True):  # before the verdict: not worth it (policy)
                     limit = item["k"]
-                if self._verdict_step.get(request_id, -1) >= item["step"]:
+                if self._verdict_step(request_id) >= item["step"]:
                     folded = self._fold_verdict(state, item["step"])
                     if folded is None:
                         continue
@@ -416,7 +417,7 @@ class DraftWorker:
             with self._features_ready:
                 while not self._calls_waiting:
                     due = any(
-                        self._verdict_step.get(state.request_id, -1) < item["step"]
+                        self._verdict_step(state.request_id) < item["step"]
                         for item, state in zip(round_spec, states, strict=True)
                     )
                     remaining = deadline - time.monotonic()
@@ -436,7 +437,7 @@ class DraftWorker:
         that does not extend these drafts, or a request at its last token)."""
         request_id = state.request_id
         with self._features_ready:
-            verdict_step, tokens = self._verdict_tokens.get(request_id, (-1, []))
+            verdict_step, tokens = self._verdicts.get(request_id, (-1, []))
         speculated = self.speculated[request_id]
         accepted = len(tokens) - 1
         if verdict_step != step or accepted < 0 or accepted > len(speculated):
@@ -486,8 +487,7 @@ class DraftWorker:
                 self.requests.pop(request_id, None)
                 self.speculated.pop(request_id, None)
                 self._spec_base.pop(request_id, None)
-                self._verdict_step.pop(request_id, None)
-                self._verdict_tokens.pop(request_id, None)
+                self._verdicts.pop(request_id, None)
                 self._sent_step.pop(request_id, None)
                 self._features.pop(request_id, None)
 

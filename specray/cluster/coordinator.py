@@ -793,17 +793,20 @@ class Coordinator:
             )
 
     def _prefill_wanted(self, requests: list[_Request]) -> list[_Request]:
-        """Requests to hand to the draft workers now: all while the batch would speculate;
-        otherwise only enough for SCOUT_REQUESTS scouts, and none if speculation cannot pay
-        at this batch size. A draft prefill computes beside the target (on a shared host it
-        slowed the target's rounds ~10% at concurrency 16 here) and is wasted on a request
-        that never drafts; the others are handed over when speculation comes back."""
+        """Requests the draft workers have not seen to hand them now: all while the batch
+        would speculate; otherwise only enough for SCOUT_REQUESTS scouts, and none if
+        speculation cannot pay at this batch size. A draft prefill computes beside the target
+        (on a shared host it slowed the target's rounds ~10% at concurrency 16 here) and is
+        wasted on a request that never drafts; the others are handed over when speculation
+        comes back."""
+        fresh = [request for request in requests if request.draft_known is None]
+        if not fresh:  # the usual round: nothing to decide
+            return []
         if not self.config.adaptive_k or self._group_would_speculate(len(requests)):
-            return requests
+            return fresh
         if not self._could_pay(len(requests)):
             return []
-        held = sum(request.draft_known is not None for request in requests)
-        fresh = [request for request in requests if request.draft_known is None]
+        held = len(requests) - len(fresh)
         return fresh[: max(SCOUT_REQUESTS - held, 0)]
 
     def _prefill_done(self, future, requests: list[_Request], worker: int, generation: int):
