@@ -121,8 +121,15 @@ class DraftWorkerDeployment:
         self.address: str | None = None
         self._busy = (time.monotonic(), 0.0)  # (when, busy seconds) at the last stats report
         self.utilization = 0.0
+        # Wait for the initial target groups: a worker joins the group with the fewest drafts
+        # and stays there, so joining while only the first group is up would pile the whole
+        # pool onto it. After startup_timeout_s any group will do.
         deadline = time.monotonic() + self.args.startup_timeout_s
-        while not await self._register():  # no target group yet: wait for one
+        while True:
+            summary = await self.registry.summary.remote()
+            all_up = len(summary["targets"]) >= self.args.num_target_groups
+            if (all_up or time.monotonic() > deadline) and await self._register():
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError("no target group registered before startup_timeout_s")
             await asyncio.sleep(0.5)
