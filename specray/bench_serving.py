@@ -193,11 +193,15 @@ def pipelined_bound(row: dict, calibration) -> float:
     return expected / max(ratio + row["rtt_s"] / target_step_s, k * c)
 
 
-def simulated_tokens_per_s(row: dict, config: ServingBenchConfig, calibration) -> float:
+def simulated_tokens_per_s(
+    row: dict, config: ServingBenchConfig, calibration, traces: list[list[int]] | None = None
+) -> float:
     """The simulator's prediction for this row: same workload and coordinator settings, the
-    acceptance measured in this run and the costs measured in it: the calibrated tables at the
-    level the coordinator observed over the run (the simulator-vs-real check: what it tests is
-    the coordinator's dynamics, given per-call costs)."""
+    acceptance of this run and the costs measured in it: the calibrated tables at the level the
+    coordinator observed over the run (the simulator-vs-real check: what it tests is the
+    coordinator's dynamics, given per-call costs). Acceptance: the run's traces when recorded
+    (greedy; request i replays prompt i's, as the bench's request i used prompt i mod their
+    number), else independent draws at the per-position rates of the row's counters."""
     from specray.sim import simulate
     from specray.sim.model import sim_config_from_dict
 
@@ -205,13 +209,14 @@ def simulated_tokens_per_s(row: dict, config: ServingBenchConfig, calibration) -
     verify = scaled(verify, row["verify_level"])
     draft = scaled(draft or DEFAULT_DRAFT_PRIOR, row["draft_level"])
 
-    acceptance = (
-        {"from_metrics": row["metrics"] | {}}
-        if row["metrics"]["num_drafts"]
-        else {"per_position": [0.0]}
-    )
-    for key in ("acceptance_rate", "mean_acceptance_length"):
-        acceptance.get("from_metrics", {}).pop(key, None)
+    if traces and row["mode"] != "target-only":
+        acceptance = {"traces": traces}
+    elif row["metrics"]["num_drafts"]:
+        acceptance = {"from_metrics": row["metrics"] | {}}
+        for key in ("acceptance_rate", "mean_acceptance_length"):
+            acceptance["from_metrics"].pop(key, None)
+    else:
+        acceptance = {"per_position": [0.0]}
     sim_config = sim_config_from_dict(
         {
             "name": f"check-{row['mode']}-{row['concurrency']}",
@@ -279,6 +284,7 @@ def run_serving_bench(config: ServingBenchConfig) -> dict:
     finally:
         ray.shutdown()
         cluster.shutdown()
+    traces = _record_traces(config, info, prompts, rows, params) if params.greedy else None
     by_key = {(row["concurrency"], row["mode"]): row for row in rows}
     for row in rows:
         baseline = by_key[(row["concurrency"], "target-only")]
@@ -293,7 +299,7 @@ def run_serving_bench(config: ServingBenchConfig) -> dict:
             row["fraction_of_bound"] = row["speedup"] / bound
     for row in rows:
         del row["outputs"]
-        row["simulated_tokens_per_s"] = simulated_tokens_per_s(row, config, calibration)
+        row["simulated_tokens_per_s"] = simulated_tokens_per_s(row, config, calibration, traces)
         row["simulated_error"] = row["simulated_tokens_per_s"] / row["tokens_per_s"] - 1
     return {
         "config": asdict(config),
@@ -302,7 +308,39 @@ def run_serving_bench(config: ServingBenchConfig) -> dict:
             "draft_step": asdict(calibration[1]) if calibration[1] else None,
         },
         "rows": rows,
+        "acceptance_traces": traces,
     }
+
+
+def _record_traces(config: ServingBenchConfig, info, prompts, rows, params):
+    """Acceptance traces (:mod:`specray.sim.traces`) of the prompts this run used, from the
+    target-only outputs: client c's turn t used prompt (c * per_client + t) mod len(prompts),
+    and outputs are listed in that order. None for a run without a drafter."""
+    from specray.drafters import make_drafter
+    from specray.models.loading import load_model
+    from specray.sampling.encoding import DraftProbsEncoding
+    from specray.sim.traces import record_traces
+
+    outputs: dict[int, list[int]] = {}
+    for row in rows:
+        if row["mode"] == "target-only":
+            for index, output in enumerate(row["outputs"]):
+                outputs.setdefault(index % len(prompts), list(output))
+    used = range(len(outputs))  # the first prompts, in order
+    _log(f"recording acceptance traces of {len(outputs)} prompts for the simulator check")
+    target = load_model(config.target, param="target")
+    encoding = DraftProbsEncoding.parse(config.draft_probs_encoding)
+    drafter = make_drafter(config.draft, target, info.vocab_size, encoding)
+    if drafter is None:
+        return None
+    return record_traces(
+        drafter,
+        [prompts[i] for i in used],
+        [outputs[i] for i in used],
+        params,
+        vocab_size=info.vocab_size,
+        max_k=config.num_speculative_tokens,
+    )
 
 
 def print_serving_report(report: dict) -> None:

@@ -810,6 +810,8 @@ class Coordinator:
         return fresh[: max(SCOUT_REQUESTS - held, 0)]
 
     def _prefill_done(self, future, requests: list[_Request], worker: int, generation: int):
+        if future.cancelled():  # the coordinator stopped while the draft prefilled
+            return
         if future.exception() is not None:
             self._draft_failed(worker, generation, future.exception())
             return

@@ -18,6 +18,7 @@ from typing import Any
 
 from specray.cluster.coordinator import CoordinatorConfig
 from specray.cluster.policy import DraftCost, PolicyConfig, VerifyCost
+from specray.sim.traces import acceptance_from_traces
 
 DEFAULT_COORDINATOR_OVERHEAD_S = 0.0015  # one Ray actor call, measured at ≈1.4 ms on this host
 DEFAULT_REQUESTS_PER_CLIENT = 4  # workload.num_requests default: this many per client
@@ -132,10 +133,15 @@ class AcceptanceModel:
     Positions beyond ``per_position`` reuse its last value. ``bonus_match`` is the probability
     that the draft's own next token equals the target's bonus token after a fully accepted
     block (what decides whether drafts made ahead are kept); default: the last α.
+
+    ``traces`` (see :mod:`specray.sim.traces`), when given, replace the draws: request i
+    replays ``traces[i % len(traces)]``, a round at position t with k drafts accepting
+    min(trace[t], k); ``per_position`` then only informs the coordinator's priors.
     """
 
     per_position: tuple[float, ...]
     bonus_match: float | None = None
+    traces: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         values = self.per_position
@@ -149,6 +155,11 @@ class AcceptanceModel:
         object.__setattr__(self, "per_position", alphas)
         bonus = alphas[-1] if self.bonus_match is None else self.bonus_match
         object.__setattr__(self, "bonus_match", _number("acceptance.bonus_match", bonus, 0, 1))
+        object.__setattr__(self, "traces", _traces(self.traces))
+
+    def trace(self, index: int) -> tuple[int, ...] | None:
+        """Request ``index``'s trace (None without traces)."""
+        return self.traces[index % len(self.traces)] if self.traces else None
 
     def alpha(self, position: int) -> float:
         """α at 1-based ``position``."""
@@ -178,6 +189,22 @@ class AcceptanceModel:
         return AcceptanceModel(
             tuple(acceptance_from_metrics(per_position, num_drafts)), bonus_match
         )
+
+
+def _traces(value: Any) -> tuple[tuple[int, ...], ...]:
+    """Validated traces: lists of accepted-run lengths, integers >= 0."""
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise SimConfigError(f"acceptance.traces must be a list of lists, got {value!r}")
+    traces = []
+    for i, trace in enumerate(value):
+        if isinstance(trace, str | bytes) or not isinstance(trace, Sequence) or not trace:
+            raise SimConfigError(
+                f"acceptance.traces[{i}] must be a non-empty list of integers, got {trace!r}"
+            )
+        traces.append(
+            tuple(_integer(f"acceptance.traces[{i}][{t}]", m) for t, m in enumerate(trace))
+        )
+    return tuple(traces)
 
 
 def acceptance_from_metrics(
@@ -365,10 +392,20 @@ def sim_config_from_dict(data: Mapping[str, Any]) -> SimConfig:
         if key not in latency:
             raise SimConfigError(f"latency is missing {key!r}")
     acceptance = _mapping(
-        "acceptance", top["acceptance"], {"per_position", "bonus_match", "from_metrics"}
+        "acceptance", top["acceptance"], {"per_position", "bonus_match", "from_metrics", "traces"}
     )
-    if ("per_position" in acceptance) == ("from_metrics" in acceptance):
-        raise SimConfigError("acceptance needs exactly one of 'per_position' or 'from_metrics'")
+    sources = [key for key in ("per_position", "from_metrics", "traces") if key in acceptance]
+    if len(sources) != 1:
+        raise SimConfigError(
+            "acceptance needs exactly one of 'per_position', 'from_metrics' or 'traces', "
+            f"got {sources or 'none'}"
+        )
+    if "traces" in acceptance:
+        traces = _traces(acceptance["traces"])
+        if not traces:
+            raise SimConfigError("acceptance.traces must not be empty")
+        acceptance["traces"] = traces
+        acceptance["per_position"] = acceptance_from_traces(traces)
     if "from_metrics" in acceptance:
         metrics_keys = {
             "num_drafts",

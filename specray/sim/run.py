@@ -94,6 +94,7 @@ async def _run_point(config: SimConfig, *, speculative: bool) -> dict[str, Any]:
         for index in indices:  # shared: each client takes the next request when it is free
             prompt = [(index + j) % SIM_VOCAB_SIZE for j in range(workload.prompt_tokens)]
             params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, seed=index)
+            target.assign_trace(f"req-{index}", index)
             while True:
                 try:
                     stream = await coordinator.submit(prompt, params, request_id=f"req-{index}")

@@ -141,6 +141,7 @@ class SimInbox:
 class _TargetRequest:
     committed: int
     max_tokens: int
+    trace: tuple[int, ...] | None = None  # replayed acceptance (AcceptanceModel.traces)
 
 
 class SimTargetBackend:
@@ -155,8 +156,14 @@ class SimTargetBackend:
     ):
         self.latency, self.acceptance, self.inbox, self.rng = latency, acceptance, inbox, rng
         self._requests: dict[str, _TargetRequest] = {}
+        self._trace_index: dict[str, int] = {}  # request id -> workload index
         self._queue = asyncio.Lock()  # calls run one at a time, FIFO
         self.calls = 0
+
+    def assign_trace(self, request_id: str, index: int) -> None:
+        """Request ``request_id`` is the workload's request ``index``: with traces, it
+        replays ``acceptance.trace(index)``."""
+        self._trace_index[request_id] = index
 
     async def verify(self, items: list[dict], draft_deadline_s: float) -> dict:
         latency = self.latency
@@ -176,8 +183,11 @@ class SimTargetBackend:
             if "prompt_token_ids" not in item:
                 raise ValueError(f"target has no state for request {item['request_id']}")
             committed = len(item.get("output_token_ids", ()))
+            index = self._trace_index.pop(item["request_id"], None)
             self._requests[item["request_id"]] = _TargetRequest(
-                committed, int(item["params"]["max_tokens"])
+                committed,
+                int(item["params"]["max_tokens"]),
+                None if index is None else self.acceptance.trace(index),
             )
             prefill_tokens += len(item["prompt_token_ids"]) + committed
         await _sleep(prefill_tokens * self.latency.prefill_per_token_s)
@@ -208,9 +218,13 @@ class SimTargetBackend:
         for item, state in zip(items, states, strict=True):
             request_id = item["request_id"]
             num_draft = blocks.get(request_id, 0)
-            accepted = self.acceptance.sample_accepted(self.rng, num_draft)
-            ahead_valid = bool(num_draft) and accepted == num_draft
-            ahead_valid = ahead_valid and self.rng.random() < self.acceptance.bonus_match
+            if state.trace is not None:  # replayed: the draft's run from here, its bonus guess
+                run = state.trace[state.committed] if state.committed < len(state.trace) else 0
+                accepted, ahead_valid = min(run, num_draft), bool(num_draft) and run > num_draft
+            else:
+                accepted = self.acceptance.sample_accepted(self.rng, num_draft)
+                ahead_valid = bool(num_draft) and accepted == num_draft
+                ahead_valid = ahead_valid and self.rng.random() < self.acceptance.bonus_match
             count = min(accepted + 1, state.max_tokens - state.committed)
             state.committed += count
             finished = state.committed >= state.max_tokens
