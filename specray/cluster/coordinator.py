@@ -11,10 +11,12 @@ its own guess of the bonus token are accepted). Drafts made ahead are kept only 
 committed tokens agree with what they assumed, so they are exactly the drafts a fresh call
 would make (keyed randomness): every path stays exact.
 
-Block length. Per request and round, k comes from :func:`specray.cluster.policy.choose_k` on
-the request's measured per-position acceptance and the group's measured costs (verify time as
-a function of batch and tokens, draft step time, network round trip); k = 0 runs the request
-target-only, and such a request is probed again every ``probe_every_rounds`` rounds.
+Block length. Per micro-batch and round, one K comes from
+:func:`specray.cluster.policy.choose_batch_k` on its requests' measured per-position acceptance
+and the group's measured costs (verify time as a function of batch and tokens, draft step
+time, network round trip): a round costs what its longest block costs, so every request drafts
+K (fewer only near its max_tokens). K = 0 runs the batch target-only, and it is probed again
+after ``probe_every_rounds`` rounds.
 
 The same code runs on real workers (:mod:`specray.cluster.ray_backends`) and on simulated ones
 (:mod:`specray.sim`, a discrete-event clock): all timing uses the event loop's clock.
@@ -40,6 +42,7 @@ from specray.cluster.policy import (
     DraftCost,
     PolicyConfig,
     VerifyCost,
+    choose_batch_k,
     choose_k,
     predicted_tokens_per_s,
     should_draft_ahead,
@@ -617,16 +620,28 @@ class Coordinator:
         return cap if self.drafts.available(request.draft_worker) else 0
 
     def _choose_ks(self, index: int, requests: list[_Request]) -> list[int]:
-        """k per request. A round waits for every block it expects, so a few drafting requests
-        would stall the rest: the batch speculates when most of it wants to. When the batch
-        has not speculated for ``probe_every_rounds`` rounds it probes, all together, so that
-        acceptance is re-measured and speculation comes back when it pays again."""
+        """k per request: one block length for the batch (a round costs what its longest block
+        costs), cut by each request's cap. When the batch has not speculated for
+        ``probe_every_rounds`` rounds it probes, so that acceptance is re-measured and
+        speculation comes back when it pays again."""
         caps = [self._cap(request) for request in requests]
         if not self.config.adaptive_k:
             return caps
-        ks = [self._policy_k(r, cap, len(requests)) for r, cap in zip(requests, caps, strict=True)]
-        if 2 * sum(k > 0 for k in ks) <= len(ks):
-            ks = [0] * len(ks)
+        ks = [0] * len(caps)
+        if any(caps):
+            acceptances = [
+                r.estimator.acceptance(self.config.num_speculative_tokens) for r in requests
+            ]
+            block = choose_batch_k(
+                acceptances,
+                caps,
+                verify=self.costs.verify,
+                draft=self.costs.draft,
+                rtt_s=self.costs.rtt_s,
+                config=self.config.policy,
+                **self._overlap(),
+            )
+            ks = [min(block, cap) for cap in caps]
         if any(ks):
             self._rounds_off[index] = self._failed_probes[index] = 0
             return ks
@@ -647,7 +662,19 @@ class Coordinator:
             return [k if i in scouts else 0 for i, k in enumerate(probe)]
         return ks
 
-    def _best_k(self, acceptance: list[float], batch_size: int) -> int:
+    def _overlap(self, *, optimistic: bool = False) -> dict:
+        """How much of a block's draft the policy may count as hidden behind target work: all
+        of it while another micro-batch is there to verify meanwhile (pipelined); else, with
+        draft-ahead, as much as the drafts made ahead are expected to be kept (and the rest
+        overlaps the network hop: the draft worker folds the verdict in as soon as it arrives);
+        else none. ``optimistic``: as if the group were split whenever it can be."""
+        split = sum(1 for batch in self._batches if batch) > 1
+        if optimistic:
+            split = self.config.num_micro_batches > 1
+        ahead = self.config.draft_ahead_min_hit if self.config.draft_ahead else None
+        return {"pipelined": split, "draft_ahead_min_hit": ahead}
+
+    def _best_k(self, acceptance: list[float], batch_size: int, *, optimistic=False) -> int:
         """The policy's k for a request with this acceptance in a batch of this size."""
         return choose_k(
             acceptance,
@@ -655,8 +682,8 @@ class Coordinator:
             verify=self.costs.verify,
             draft=self.costs.draft,
             rtt_s=self.costs.rtt_s,
-            pipelined=self.config.num_micro_batches > 1 or self.config.draft_ahead,
             config=self.config.policy,
+            **self._overlap(optimistic=optimistic),
         )
 
     def _group_would_speculate(self, batch_size: int) -> bool:
@@ -669,10 +696,10 @@ class Coordinator:
         acceptance measurement can change the answer: no probes, no micro-batch split."""
         if self.drafts is None or self.config.num_speculative_tokens == 0:
             return False
-        return not self.config.adaptive_k or self._best_k([1.0], batch_size) > 0
+        return not self.config.adaptive_k or self._best_k([1.0], batch_size, optimistic=True) > 0
 
     def _split_pays(self, total: int) -> bool:
-        """Split the running requests into micro-batches only when speculating on the halves
+        """Split the running requests into micro-batches only when speculating on the parts
         beats verifying everyone in one batch without drafts. With one target and pipelining,
         the group's rate is one micro-batch's rate (the target alternates between them)."""
         if self.config.num_micro_batches == 1 or total < 2:
@@ -697,21 +724,6 @@ class Coordinator:
         )
         single = total / self.costs.verify.seconds(max(total, 1), 1)
         return split > self.config.policy.min_gain * single
-
-    def _policy_k(self, request: _Request, cap: int, batch_size: int) -> int:
-        if cap == 0:
-            return 0
-        pipelined = self.config.num_micro_batches > 1 or self.config.draft_ahead
-        return choose_k(
-            request.estimator.acceptance(self.config.num_speculative_tokens),
-            batch=batch_size,
-            verify=self.costs.verify,
-            draft=self.costs.draft,
-            rtt_s=self.costs.rtt_s,
-            pipelined=pipelined,
-            config=self.config.policy,
-            max_tokens_left=cap + 1,
-        )
 
     async def _round(self, index: int) -> None:
         batch = self._batches[index]

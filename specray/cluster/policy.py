@@ -5,6 +5,9 @@ acceptance α_j, one target call commits E(k) = 1 + Σ_{j<=k} Π_{i<=j} α_i tok
 A round costs k·draft_step(b) + rtt_s + verify(b, k+1) unpipelined, or
 max(verify(b, k+1) + rtt_s, k·draft_step(b)) when the draft works on one micro-batch while the
 target verifies another; k = 0 is target-only: verify(b, 1), no draft and no network hop.
+Between the two, a lone micro-batch that drafts ahead hides its next block's draft only when
+the drafts made ahead are kept (probability h, see draft_ahead_hit):
+max(verify(b, k+1) + rtt_s + (1 - h)·k·draft_step(b), k·draft_step(b)).
 """
 
 from __future__ import annotations
@@ -244,6 +247,19 @@ def expected_committed(acceptance: Sequence[float], k: int) -> float:
     return _committed_prefix(values, k)[k]
 
 
+def _round_s(verify_s: float, rtt_s: float, draft_total_s: float, hidden: float, fold: bool):
+    """One speculative round: the verification, the network hop, and the part of the draft
+    that is not hidden behind target work (never less than the draft itself). With ``fold``
+    (draft-ahead) the verdict reaches the draft worker directly and it starts the next block
+    at once, so the exposed draft overlaps the hop back to the coordinator and its next call."""
+    exposed_draft_s = (1.0 - hidden) * draft_total_s
+    if fold:
+        exposed_s = verify_s + (exposed_draft_s if exposed_draft_s > rtt_s else rtt_s)
+    else:
+        exposed_s = verify_s + rtt_s + exposed_draft_s
+    return draft_total_s if draft_total_s > exposed_s else exposed_s  # max()
+
+
 def _rates(
     committed: list[float],
     first: int,
@@ -251,24 +267,40 @@ def _rates(
     verify: VerifyCost,
     draft: DraftCost,
     rtt_s: float,
-    pipelined: bool,
+    hidden: list[float],
+    fold: bool = False,
 ) -> list[float]:
     """Predicted tokens/s for k = first .. len(committed) - 1 from validated inputs, committed[k]
-    being E(k). VerifyCost.seconds / DraftCost.seconds are split into per-batch terms with the
-    same floating-point operations, so the rates are bit-identical to evaluating them per k."""
+    being E(k) and hidden[k] the fraction of the k-step draft that overlaps target work (1:
+    pipelined, 0: the target waits for it); ``fold`` as for _round_s. VerifyCost.seconds /
+    DraftCost.seconds are split into per-batch terms with the same floating-point operations,
+    so the rates are bit-identical to evaluating them per k."""
     draft_s = draft._seconds(batch)
     rates = []
     for k in range(first, len(committed)):
         if k == 0:  # target-only: verify(batch, 1), no draft and no network hop
             round_s = verify._seconds(batch, 1)
-        elif pipelined:  # the draft of one micro-batch hides behind the other's verify + hop
-            verify_hop_s = verify._seconds(batch, k + 1) + rtt_s
-            draft_total_s = k * draft_s
-            round_s = draft_total_s if draft_total_s > verify_hop_s else verify_hop_s  # max()
         else:
-            round_s = k * draft_s + rtt_s + verify._seconds(batch, k + 1)
+            round_s = _round_s(verify._seconds(batch, k + 1), rtt_s, k * draft_s, hidden[k], fold)
         rates.append(batch * committed[k] / round_s if round_s > 0 else math.inf)
     return rates
+
+
+def _hidden(
+    values: list[float], max_k: int, pipelined: bool, ahead_min_hit: float | None
+) -> list[float]:
+    """[h(0), ..., h(max_k)]: the fraction of a k-token block's draft that hides behind the
+    target's work. Pipelined: all of it. A lone micro-batch drafting ahead: the probability
+    that the drafts made ahead are kept, draft_ahead_hit(values, k), when they are made at all
+    (hit >= ahead_min_hit); none without draft-ahead (ahead_min_hit None)."""
+    if pipelined or ahead_min_hit is None:
+        return [1.0 if pipelined else 0.0] * (max_k + 1)
+    padded = values[: max_k + 1] + [values[-1] if values else 0.0] * (max_k + 1 - len(values))
+    hidden, hit = [], 1.0
+    for k in range(max_k + 1):
+        hit *= padded[k]  # draft_ahead_hit(values, k): positions 1 .. k + 1
+        hidden.append(hit if k and hit >= ahead_min_hit else 0.0)
+    return hidden
 
 
 def predicted_tokens_per_s(
@@ -280,13 +312,23 @@ def predicted_tokens_per_s(
     draft: DraftCost,
     rtt_s: float,
     pipelined: bool,
+    draft_ahead_min_hit: float | None = None,
 ) -> float:
-    """batch * E(k) / round_time(k); inf if the cost model predicts a free round."""
+    """batch * E(k) / round_time(k); inf if the cost model predicts a free round.
+    ``draft_ahead_min_hit``: unpipelined, the request drafts ahead when its drafts made ahead
+    are kept with at least this probability (None: it never drafts ahead)."""
     batch = _check("batch", batch, 1, integer=True)
     values = _acceptance(acceptance)
     k = _check("k", k, 0, integer=True)
     rtt_s = _check("rtt_s", rtt_s, 0)
-    return _rates(_committed_prefix(values, k), k, batch, verify, draft, rtt_s, pipelined)[0]
+    min_hit = _min_hit(draft_ahead_min_hit)
+    hidden = _hidden(values, k, pipelined, min_hit)
+    committed = _committed_prefix(values, k)
+    return _rates(committed, k, batch, verify, draft, rtt_s, hidden, min_hit is not None)[0]
+
+
+def _min_hit(value: float | None) -> float | None:
+    return None if value is None else float(_check("draft_ahead_min_hit", value, 0, 1))
 
 
 @dataclass(frozen=True)
@@ -318,6 +360,7 @@ def choose_k(
     pipelined: bool,
     config: PolicyConfig,
     max_tokens_left: int | None = None,
+    draft_ahead_min_hit: float | None = None,
 ) -> int:
     """argmax over k in 0..min(max_k, max_tokens_left - 1) of predicted tokens/s; 0 unless the
     best k > 0 beats target-only by more than config.min_gain. Ties go to the smaller k.
@@ -325,7 +368,8 @@ def choose_k(
     A round commits at most k + 1 tokens, hence the max_tokens_left - 1 cap. Example (batch 1,
     verify 10 ms flat, draft 1 ms/step, rtt 0, unpipelined, α = 0.5): k = 1 gives
     1.5 / 11 ms = 136 tok/s against 100 tok/s target-only; k = 2 gives 1.75 / 12 ms = 146;
-    k = 3 gives 1.875 / 13 ms = 144, so k = 2.
+    k = 3 gives 1.875 / 13 ms = 144, so k = 2. ``draft_ahead_min_hit`` as for
+    predicted_tokens_per_s.
     """
     cap = config.max_k
     if max_tokens_left is not None:
@@ -333,13 +377,71 @@ def choose_k(
     # Validate once (the checks, order and messages of predicted_tokens_per_s), then rate every
     # k in one pass with the same floating-point operations, hence the same rates.
     batch = _check("batch", batch, 1, integer=True)
-    committed = _committed_prefix(_acceptance(acceptance), cap)
+    values = _acceptance(acceptance)
+    committed = _committed_prefix(values, cap)
     rtt_s = _check("rtt_s", rtt_s, 0)
-    rates = _rates(committed, 0, batch, verify, draft, rtt_s, pipelined)
+    min_hit = _min_hit(draft_ahead_min_hit)
+    hidden = _hidden(values, cap, pipelined, min_hit)
+    rates = _rates(committed, 0, batch, verify, draft, rtt_s, hidden, min_hit is not None)
     best = 0
     for k in range(1, cap + 1):
         if best == 0 or rates[k] > rates[best]:  # strict: ties go to the smaller k
             best = k
+    return best if best and rates[best] > config.min_gain * rates[0] else 0
+
+
+def choose_batch_k(
+    acceptances: Sequence[Sequence[float]],
+    caps: Sequence[int],
+    *,
+    verify: VerifyCost,
+    draft: DraftCost,
+    rtt_s: float,
+    pipelined: bool,
+    config: PolicyConfig,
+    draft_ahead_min_hit: float | None = None,
+) -> int:
+    """One block length K for a micro-batch: request i drafts min(K, caps[i]) tokens.
+
+    A round's cost is set by its longest block (the draft runs K steps for the batch, the
+    target verifies K + 1 tokens for every request), so a shorter block for one request saves
+    almost nothing while its acceptance is lost: the batch maximises
+    Σ_i E_i(min(K, cap_i)) / round_time(K) over K in 0..min(max_k, max cap), 0 unless that
+    beats target-only by config.min_gain. Drafts made ahead by a lone micro-batch hide its next
+    draft only when every request's are kept: h = Π_i draft_ahead_hit(α_i, k_i), if each
+    request drafts ahead at all (hit >= draft_ahead_min_hit); see _round_s for the rest.
+    Example (2 requests, verify 10 ms flat, draft 1 ms/step, rtt 0, unpipelined, caps 8):
+    acceptances [0.9] and [0.1]; K = 1 gives (1.9 + 1.1) / 11 ms = 273 tok/s, K = 4 gives
+    (4.10 + 1.11) / 14 ms = 372, K = 8 (the most, max_k 8) gives (6.13 + 1.11) / 18 ms = 402:
+    K = 8 for both, though [0.1] alone would stop at k = 1.
+    """
+    if len(acceptances) != len(caps) or not caps:
+        raise ValueError(f"need one cap per acceptance list, got {len(acceptances)} and {caps!r}")
+    caps = [_check(f"caps[{i}]", cap, 0, integer=True) for i, cap in enumerate(caps)]
+    rtt_s = _check("rtt_s", rtt_s, 0)
+    min_hit = None if draft_ahead_min_hit is None else _check("min_hit", draft_ahead_min_hit, 0, 1)
+    batch, top = len(caps), min(config.max_k, max(caps))
+    values = [_acceptance(acceptance) for acceptance in acceptances]
+    committed = [_committed_prefix(v, top) for v in values]
+    draft_s = draft._seconds(batch)
+    rates = []
+    for K in range(top + 1):
+        ks = [min(K, cap) for cap in caps]
+        total = math.fsum(c[k] for c, k in zip(committed, ks, strict=True))
+        if K == 0:
+            round_s = verify._seconds(batch, 1)
+        else:
+            hidden = 1.0 if pipelined else 0.0
+            if not pipelined and min_hit is not None:
+                hits = [draft_ahead_hit(v, k) for v, k in zip(values, ks, strict=True) if k]
+                hidden = math.prod(hits) if min(hits) >= min_hit else 0.0
+            fold = min_hit is not None
+            round_s = _round_s(verify._seconds(batch, K + 1), rtt_s, K * draft_s, hidden, fold)
+        rates.append(total / round_s if round_s > 0 else math.inf)
+    best = 0
+    for K in range(1, top + 1):
+        if best == 0 or rates[K] > rates[best]:
+            best = K
     return best if best and rates[best] > config.min_gain * rates[0] else 0
 
 

@@ -11,6 +11,7 @@ from specray.cluster.policy import (
     DraftCost,
     PolicyConfig,
     VerifyCost,
+    choose_batch_k,
     choose_k,
     draft_ahead_hit,
     expected_committed,
@@ -150,6 +151,7 @@ def _random_case(rng):
         draft=draft,
         rtt_s=rng.choice([0.0, 0.0002, rng.uniform(0, 0.05)]),
         pipelined=rng.random() < 0.5,
+        draft_ahead_min_hit=rng.choice([None, 0.0, 0.5, rng.random()]),
     )
     config = PolicyConfig(
         max_k=rng.randrange(33), min_gain=rng.choice([1.0, 1.02, rng.uniform(1, 2)])
@@ -183,6 +185,7 @@ def test_predicted_rate_is_exactly_the_cost_model_formula():
         acceptance, costs, _ = _random_case(rng)
         batch, verify, draft = costs["batch"], costs["verify"], costs["draft"]
         rtt_s, pipelined = costs["rtt_s"], costs["pipelined"]
+        min_hit = costs["draft_ahead_min_hit"]
         for k in range(12):
             committed = 1.0
             reach = 1.0
@@ -190,12 +193,21 @@ def test_predicted_rate_is_exactly_the_cost_model_formula():
                 reach *= float(acceptance[min(j, len(acceptance) - 1)]) if acceptance else 0.0
                 committed += reach
             assert expected_committed(acceptance, k) == committed
+            # the fraction of the draft hidden behind target work
+            hit = draft_ahead_hit(acceptance, k)
+            if pipelined:
+                hidden = 1.0
+            else:
+                hidden = hit if min_hit is not None and k > 0 and hit >= min_hit else 0.0
             if k == 0:
                 round_s = verify.seconds(batch, 1)
-            elif pipelined:
-                round_s = max(verify.seconds(batch, k + 1) + rtt_s, k * draft.seconds(batch))
             else:
-                round_s = k * draft.seconds(batch) + rtt_s + verify.seconds(batch, k + 1)
+                exposed_draft_s = (1.0 - hidden) * (k * draft.seconds(batch))
+                if min_hit is None:
+                    exposed_s = verify.seconds(batch, k + 1) + rtt_s + exposed_draft_s
+                else:  # draft-ahead folds the verdict: the draft overlaps the hop back
+                    exposed_s = verify.seconds(batch, k + 1) + max(exposed_draft_s, rtt_s)
+                round_s = max(exposed_s, k * draft.seconds(batch))
             expected = batch * committed / round_s if round_s > 0 else math.inf
             assert predicted_tokens_per_s(acceptance, k, **costs) == expected
 
@@ -386,3 +398,66 @@ def test_draft_ahead_only_for_blocks_likely_kept_whole():
     assert should_draft_ahead([0.0], 4, 0.0)  # min_hit 0: always
     with pytest.raises(ValueError, match="min_hit"):
         should_draft_ahead([0.5], 1, 1.5)
+
+
+# ---- one block length for a batch -----------------------------------------------------------
+
+FLAT = dict(verify=VerifyCost(0.010, 0.0, 0.0), draft=DraftCost(0.001, 0.0), rtt_s=0.0)
+
+
+def test_batch_k_example_every_request_drafts_the_longest_paying_block():
+    # docstring example: K = 8 gives (6.13 + 1.11) / 18 ms = 402 tok/s, K = 1 only 273
+    ks = dict(pipelined=False, **FLAT)
+    assert choose_batch_k([[0.9], [0.1]], [8, 8], config=PolicyConfig(), **ks) == 8
+    assert choose_batch_k([[0.9], [0.1]], [8, 8], config=PolicyConfig(max_k=4), **ks) == 4
+    # [0.1] alone stops early: its own best block is short
+    assert choose_k([0.1], batch=1, config=PolicyConfig(), pipelined=False, **FLAT) <= 1
+    # a request that cannot draft (cap 0) neither blocks nor lengthens the others' block
+    assert choose_batch_k([[0.0], [0.9]], [0, 3], config=PolicyConfig(), **ks) == 3
+    assert choose_batch_k([[0.9], [0.9]], [0, 0], config=PolicyConfig(), **ks) == 0
+
+
+def test_batch_k_matches_choose_k_for_identical_requests():
+    """b identical requests: the batch's K is choose_k's k at batch b (pipelined, or without
+    draft-ahead; a lone request with draft-ahead too, its hit being the batch's)."""
+    rng = random.Random(99)
+    for _ in range(1500):
+        acceptance, costs, config = _random_case(rng)
+        batch = costs.pop("batch")
+        if costs["pipelined"] or costs["draft_ahead_min_hit"] is None:
+            size = batch if batch <= 16 else 16
+        else:
+            size = 1
+        cap = rng.randrange(1, 12)
+        got = choose_batch_k([acceptance] * size, [cap] * size, config=config, **costs)
+        expected = choose_k(acceptance, batch=size, config=config, max_tokens_left=cap + 1, **costs)
+        assert got == expected, (acceptance, costs, config, size, cap)
+
+
+def test_batch_k_with_draft_ahead_hides_only_what_every_request_keeps():
+    """Verify 10 ms flat, draft step 5.5 ms, α = 0.5, K = 1: a request's drafts made ahead are
+    kept with probability 0.5 * 0.5 = 0.25. Alone, 75% of the draft shows:
+    1.5 / (10 + 4.1 ms) = 106 tok/s beats 1.02 x 100. Two requests keep theirs both only
+    6.25% of the time: 3 / (10 + 5.2 ms) = 198 tok/s loses to 1.02 x 200. Without draft-ahead
+    nothing hides: 1.5 / 15.5 ms = 97."""
+    costs = dict(verify=VerifyCost(0.010, 0.0, 0.0), draft=DraftCost(0.0055, 0.0), rtt_s=0.0)
+    ahead = dict(pipelined=False, config=PolicyConfig(), draft_ahead_min_hit=0.0, **costs)
+    assert choose_batch_k([[0.5]], [8], **ahead) == 1
+    assert choose_batch_k([[0.5], [0.5]], [8, 8], **ahead) == 0
+    assert choose_batch_k([[0.5]], [8], pipelined=False, config=PolicyConfig(), **costs) == 0
+    # drafts are made ahead only when each request's are likely kept (min hit 0.3 > 0.25)
+    assert choose_batch_k([[0.5]], [8], **(ahead | {"draft_ahead_min_hit": 0.3})) == 0
+
+
+@pytest.mark.parametrize(
+    ("acceptances", "caps", "message"),
+    [
+        ([[0.5]], [1, 2], "one cap per acceptance"),
+        ([], [], "one cap per acceptance"),
+        ([[0.5]], [-1], r"caps\[0\]"),
+        ([[1.5]], [2], r"acceptance\[0\]"),
+    ],
+)
+def test_batch_k_rejects_bad_input_by_name(acceptances, caps, message):
+    with pytest.raises(ValueError, match=message):
+        choose_batch_k(acceptances, caps, pipelined=False, config=PolicyConfig(), **FLAT)
