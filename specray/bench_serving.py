@@ -16,7 +16,7 @@ import asyncio
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from specray.bench import acceptance_from_mean_length, load_prompts
 from specray.cluster.coordinator import DEFAULT_DRAFT_PRIOR, Coordinator, CoordinatorConfig
@@ -158,7 +158,10 @@ def _run_mode(backend, info, mode, config, concurrency, prompts, params, calibra
         "draft_step_s": costs.draft.seconds(1),
         # Observed / calibrated seconds over the run: calibration times each worker alone,
         # in service they share two cores with each other and with Ray.
-        "verify_level": costs.mean_verify_level,
+        # (target-only rounds; rounds verifying drafts cost draft_round_scale times more than
+        # their calibrated forward relative to those, see Costs.mean_levels)
+        "verify_level": costs.mean_levels[0],
+        "draft_round_scale": costs.mean_levels[1],
         "draft_level": costs.mean_draft_level,
         "verify_cost": asdict(costs.verify),
         "draft_cost": asdict(costs.draft),
@@ -206,7 +209,9 @@ def simulated_tokens_per_s(
     from specray.sim.model import sim_config_from_dict
 
     verify, draft = calibration
-    verify = scaled(verify, row["verify_level"])
+    verify = replace(
+        scaled(verify, row["verify_level"]), draft_round_scale=row.get("draft_round_scale", 1.0)
+    )
     draft = scaled(draft or DEFAULT_DRAFT_PRIOR, row["draft_level"])
 
     if traces and row["mode"] != "target-only":

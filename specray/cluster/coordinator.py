@@ -68,6 +68,7 @@ RTT_PROBE_INTERVAL_S = 0.5  # how often the coordinator times a no-op call to th
 GROUP_ACCEPTANCE_DECAY = 0.99  # the group's running acceptance: new requests start from it
 REQUEST_PRIOR_WEIGHT = 4.0  # pseudo-observations of that prior in a request's own estimate
 SCOUT_REQUESTS = 2  # requests that re-measure acceptance while the group's says "do not draft"
+STOP_GRACE_S = 5.0  # how long stop() waits for releases still under way before cancelling
 # Cost priors until measurements arrive (seconds): verification barely growing with tokens and
 # a cheap draft, so speculation starts on and the fits take over within a few rounds.
 DEFAULT_VERIFY_PRIOR = VerifyCost(fixed_s=0.05, per_request_s=0.01, per_token_s=0.003)
@@ -233,6 +234,12 @@ class Coordinator:
         self._notify()
         await asyncio.gather(*self._tasks)
         self._rtt_probe.cancel()
+        # Releases, draft prefills and worker replacements still under way: give them a
+        # moment (a release frees a worker's KV cache), then cancel what is left.
+        if self._background:
+            _, pending = await asyncio.wait(set(self._background), timeout=STOP_GRACE_S)
+            for future in pending:
+                future.cancel()
 
     def reset_stats(self) -> None:
         self.stats = CoordinatorStats(started_s=self._loop.time())

@@ -44,17 +44,49 @@ class Costs:
     draft_samples: list = field(default_factory=list)  # (batch, seconds per step)
     num_verify: int = 0  # samples ever added
     num_draft: int = 0
-    verify_level: float = 1.0  # observed / calibrated time (running), for calibrated tables
+    # Observed / calibrated time (running), for calibrated tables: of target-only rounds (one
+    # token per request) and of rounds verifying drafts, apart, because the latter cost more
+    # than their forward (verification rules; on a shared host, the draft computing beside).
+    one_token_level: float | None = None  # None: not observed yet
+    draft_round_level: float | None = None
     draft_level: float = 1.0
     # Totals of observed and calibrated seconds over all samples: the mean level of a run
     # (what a simulation of that run should be given; the running level follows its end).
     verify_totals: tuple[float, float] = (0.0, 0.0)
+    one_token_totals: tuple[float, float] = (0.0, 0.0)
+    draft_round_totals: tuple[float, float] = (0.0, 0.0)
     draft_totals: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def verify_level(self) -> float:
+        """The level of target-only rounds (of any round until those are observed)."""
+        for level in (self.one_token_level, self.draft_round_level):
+            if level is not None:
+                return level
+        return 1.0
+
+    @property
+    def draft_round_scale(self) -> float:
+        """How much more a round verifying drafts costs than its calibrated forward, relative
+        to target-only rounds (1 until both kinds were observed)."""
+        if self.one_token_level is None or self.draft_round_level is None:
+            return 1.0
+        return self.draft_round_level / self.one_token_level
 
     @property
     def mean_verify_level(self) -> float:
         observed, calibrated = self.verify_totals
         return observed / calibrated if calibrated > 0 else 1.0
+
+    @property
+    def mean_levels(self) -> tuple[float, float]:
+        """The run's mean (target-only level, draft-round scale), as ``verify_level`` and
+        ``draft_round_scale`` are formed from the running levels."""
+        means = [o / c if c > 0 else None for o, c in (self.one_token_totals,
+                                                       self.draft_round_totals)]  # fmt: skip
+        if means[0] is None or means[1] is None:
+            return (means[0] or means[1] or 1.0), 1.0
+        return means[0], means[1] / means[0]
 
     @property
     def mean_draft_level(self) -> float:
@@ -64,12 +96,21 @@ class Costs:
     def add_verify(self, batch: int, tokens: int, seconds: float, prior: VerifyCost) -> None:
         self.verify_samples = [*self.verify_samples[-COST_SAMPLES + 1 :], (batch, tokens, seconds)]
         self.num_verify += 1
-        if prior.table:  # a calibrated shape, its level tracked from the rounds (see _level)
-            calibrated = prior.seconds(batch, tokens)
-            self.verify_level = _level(self.verify_level, seconds, calibrated)
+        if prior.table:  # a calibrated shape, its levels tracked from the rounds (see _level)
+            calibrated = replace(prior, draft_round_scale=1.0).seconds(batch, tokens)
             self.verify_totals = _added(self.verify_totals, seconds, calibrated)
+            if tokens > 1:
+                level = self.draft_round_level or self.verify_level
+                self.draft_round_level = _level(level, seconds, calibrated)
+                self.draft_round_totals = _added(self.draft_round_totals, seconds, calibrated)
+            else:
+                level = self.one_token_level or self.verify_level
+                self.one_token_level = _level(level, seconds, calibrated)
+                self.one_token_totals = _added(self.one_token_totals, seconds, calibrated)
             if self.num_verify % REFIT_EVERY == 0:
-                self.verify = scaled(prior, self.verify_level)
+                self.verify = replace(
+                    scaled(prior, self.verify_level), draft_round_scale=self.draft_round_scale
+                )
         elif self.num_verify <= REFIT_EVERY or self.num_verify % REFIT_EVERY == 0:
             self.verify = fit_verify_cost(self.verify_samples, prior)
 

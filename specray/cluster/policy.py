@@ -89,17 +89,22 @@ class VerifyCost:
     or, with ``table``, interpolated from measured (batch * tokens_per_request, seconds) points.
     A table captures what a line cannot on a CPU: one row runs as a fast matrix-vector product,
     two to four rows cost nearly as much as eight (measured here: 75, 126, 180, 177 ms for 1, 2,
-    3, 5 tokens)."""
+    3, 5 tokens). ``draft_round_scale`` multiplies rounds that verify drafts (more than one token
+    per request): what such a round costs beyond its forward, measured in service (the
+    verification rules; on a host shared with the draft, the draft computing beside it)."""
 
     fixed_s: float
     per_request_s: float
     per_token_s: float
     table: tuple = ()  # ((tokens in the forward, seconds), ...) measured; overrides the line
+    draft_round_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("fixed_s", "per_request_s", "per_token_s"):
             _check(name, getattr(self, name), 0)
         object.__setattr__(self, "table", _table("table", self.table))
+        if not _check("draft_round_scale", self.draft_round_scale, 0) > 0:
+            raise ValueError(f"draft_round_scale must be > 0, got {self.draft_round_scale!r}")
 
     def seconds(self, batch: int, tokens_per_request: int) -> float:
         batch = _check("batch", batch, 1, integer=True)
@@ -108,8 +113,10 @@ class VerifyCost:
 
     def _seconds(self, batch: int, tokens: int) -> float:
         if self.table:
-            return _interpolate(self.table, batch * tokens)
-        return self.fixed_s + self.per_request_s * batch + self.per_token_s * batch * tokens
+            seconds = _interpolate(self.table, batch * tokens)
+        else:
+            seconds = self.fixed_s + self.per_request_s * batch + self.per_token_s * batch * tokens
+        return seconds * self.draft_round_scale if tokens > 1 else seconds
 
 
 @dataclass(frozen=True)

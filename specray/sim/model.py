@@ -12,7 +12,7 @@ import json
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +62,12 @@ def _cost(name: str, cls: type, value: Any):
     if isinstance(value, cls):
         return value
     data = _mapping(name, value, {f.name for f in fields(cls)})
+    coefficients = [f.name for f in fields(cls) if f.default is MISSING]  # the line's
     if "table" not in data:  # a line needs every coefficient; a measured table needs none
-        missing = [f.name for f in fields(cls) if f.name != "table" and f.name not in data]
+        missing = [key for key in coefficients if key not in data]
         if missing:
             raise SimConfigError(f"{name} is missing {missing[0]!r}")
-    data = {f.name: 0.0 for f in fields(cls) if f.name != "table"} | data
+    data = dict.fromkeys(coefficients, 0.0) | data
     try:
         return cls(**data)
     except ValueError as error:

@@ -190,7 +190,8 @@ class SimTargetBackend:
                 None if index is None else self.acceptance.trace(index),
             )
             prefill_tokens += len(item["prompt_token_ids"]) + committed
-        await _sleep(prefill_tokens * self.latency.prefill_per_token_s)
+        prefill_s = prefill_tokens * self.latency.prefill_per_token_s
+        await _sleep(prefill_s)
         states = [self._requests[item["request_id"]] for item in items]
         for item, state in zip(items, states, strict=True):
             if item["num_committed"] != state.committed:
@@ -249,6 +250,7 @@ class SimTargetBackend:
             "wait_s": wait_s,
             "compute_s": service_s - wait_s,
             "service_s": service_s,
+            "prefill_s": prefill_s,  # as the real target: part of compute_s, not of a round
         }
 
     def _forget(self, request_id: str) -> None:
