@@ -210,6 +210,7 @@ class Coordinator:
         # Requests a draft worker may still hold after it failed a call (worker -> ids).
         self._stale_drafts: collections.defaultdict[int, set[str]] = collections.defaultdict(set)
         self._rounds_off = [0] * config.num_micro_batches  # rounds in a row without drafts
+        self._speculated = [False] * config.num_micro_batches  # the policy's last choice: K > 0
         self._failed_probes = [0] * config.num_micro_batches  # probes in a row that found no gain
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -646,9 +647,11 @@ class Coordinator:
                 draft=self.costs.draft,
                 rtt_s=self.costs.rtt_s,
                 config=self.config.policy,
+                speculating=self._speculated[index],
                 **self._overlap(),
             )
             ks = [min(block, cap) for cap in caps]
+        self._speculated[index] = any(ks)
         if any(ks):
             self._rounds_off[index] = self._failed_probes[index] = 0
             return ks

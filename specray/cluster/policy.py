@@ -348,6 +348,10 @@ class PolicyConfig:
     # here, probing every 16 rounds cost 12-15% of throughput)
     max_probe_backoff: int = 4
     min_gain: float = 1.02  # speculate only when predicted tokens/s beats target-only by this
+    # ... and, once speculating, go on until it falls below this fraction of target-only: a
+    # request's acceptance comes in runs (copied passages, then none), so its estimate swings,
+    # and a batch that stops speculating stops measuring it
+    stop_gain: float = 0.95
 
     def __post_init__(self) -> None:
         _check("max_k", self.max_k, 0, MAX_K_LIMIT, integer=True)
@@ -355,6 +359,7 @@ class PolicyConfig:
         _check("probe_every_rounds", self.probe_every_rounds, 1, integer=True)
         _check("max_probe_backoff", self.max_probe_backoff, 0, 16, integer=True)
         _check("min_gain", self.min_gain, 1)
+        _check("stop_gain", self.stop_gain, 0, self.min_gain)
 
 
 def choose_k(
@@ -407,6 +412,7 @@ def choose_batch_k(
     pipelined: bool,
     config: PolicyConfig,
     draft_ahead_min_hit: float | None = None,
+    speculating: bool = False,
 ) -> int:
     """One block length K for a micro-batch: request i drafts min(K, caps[i]) tokens.
 
@@ -414,7 +420,8 @@ def choose_batch_k(
     target verifies K + 1 tokens for every request), so a shorter block for one request saves
     almost nothing while its acceptance is lost: the batch maximises
     Σ_i E_i(min(K, cap_i)) / round_time(K) over K in 0..min(max_k, max cap), 0 unless that
-    beats target-only by config.min_gain. Drafts made ahead by a lone micro-batch hide its next
+    beats target-only by config.min_gain (by config.stop_gain if the batch is ``speculating``
+    already: hysteresis). Drafts made ahead by a lone micro-batch hide its next
     draft only when every request's are kept: h = Π_i draft_ahead_hit(α_i, k_i), if each
     request drafts ahead at all (hit >= draft_ahead_min_hit); see _round_s for the rest.
     Example (2 requests, verify 10 ms flat, draft 1 ms/step, rtt 0, unpipelined, caps 8):
@@ -449,7 +456,8 @@ def choose_batch_k(
     for K in range(1, top + 1):
         if best == 0 or rates[K] > rates[best]:
             best = K
-    return best if best and rates[best] > config.min_gain * rates[0] else 0
+    threshold = config.stop_gain if speculating else config.min_gain
+    return best if best and rates[best] > threshold * rates[0] else 0
 
 
 def draft_ahead_hit(acceptance: Sequence[float], k: int) -> float:

@@ -461,3 +461,16 @@ def test_batch_k_with_draft_ahead_hides_only_what_every_request_keeps():
 def test_batch_k_rejects_bad_input_by_name(acceptances, caps, message):
     with pytest.raises(ValueError, match=message):
         choose_batch_k(acceptances, caps, pipelined=False, config=PolicyConfig(), **FLAT)
+
+
+def test_a_speculating_batch_goes_on_until_it_clearly_loses():
+    """Hysteresis: predicted 1.5 / (10 + 5.5 ms) = 96.8 tok/s against 100 target-only
+    (α = 0.5, K = 1, no draft-ahead) does not start speculation (needs > 102), but a batch
+    speculating already goes on (above 95); at α = 0.3 (1.3 / 15.5 ms = 83.9) it stops."""
+    costs = dict(verify=VerifyCost(0.010, 0.0, 0.0), draft=DraftCost(0.0055, 0.0), rtt_s=0.0)
+    kwargs = dict(pipelined=False, config=PolicyConfig(max_k=1), **costs)
+    assert choose_batch_k([[0.5]], [8], **kwargs) == 0
+    assert choose_batch_k([[0.5]], [8], speculating=True, **kwargs) == 1
+    assert choose_batch_k([[0.3]], [8], speculating=True, **kwargs) == 0
+    with pytest.raises(ValueError, match="stop_gain"):
+        PolicyConfig(min_gain=1.02, stop_gain=1.1)
