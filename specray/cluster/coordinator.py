@@ -87,6 +87,12 @@ class CoordinatorConfig:
     # it, from the committed tokens, always); 0: always
     draft_ahead_min_hit: float = 0.5
     draft_deadline_s: float = 5.0  # the target waits this long for a block, then goes alone
+    # A request with a seed drafts a fixed block every round after its first (the most it
+    # may: num_speculative_tokens, its own cap, its tokens left - 1), whatever the load or the
+    # policy, so its tokens depend on its seed alone, as target-only decoding's do. (A draft
+    # worker that fails or misses the deadline still changes that round: it goes
+    # target-only, exact but another sample.) Off: seeded requests follow the policy too.
+    reproducible_seeds: bool = False
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     # Cost priors until measurements arrive (seconds); the online fits replace them.
     verify_prior: VerifyCost = field(default_factory=lambda: DEFAULT_VERIFY_PRIOR)
@@ -106,7 +112,7 @@ class CoordinatorConfig:
         integer("max_queue", 0)
         integer("num_micro_batches", 1, 16)
         integer("num_speculative_tokens", 0, MAX_SPEC_LEN)
-        for name in ("adaptive_k", "draft_ahead"):
+        for name in ("adaptive_k", "draft_ahead", "reproducible_seeds"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not self.draft_deadline_s > 0:
@@ -132,6 +138,7 @@ class _Request:
     deadline_s: float | None  # on the loop's clock
     estimator: AcceptanceEstimator
     max_k: int  # this request's largest k (0: it never speculates)
+    fixed_k: bool = False  # seeded under reproducible_seeds: always max_k (see the config)
     draft_worker: int | None = None
     batch_index: int = 0  # the micro-batch it joined (its draft worker group)
     last_k: int = 0  # the k of its latest round
@@ -312,6 +319,7 @@ class Coordinator:
             deadline_s=now + timeout_s if timeout_s is not None else None,
             estimator=self._new_estimator(),
             max_k=max_k,
+            fixed_k=self.config.reproducible_seeds and params.seed is not None and max_k > 0,
         )
         self._requests[request_id] = request
         if state.finish_reason is not None:  # resumed after its last token: only the end left
@@ -623,16 +631,26 @@ class Coordinator:
     def _cap(self, request: _Request) -> int:
         """The largest k this request can take this round (0: it cannot speculate)."""
         cap = min(request.max_k, request.state.remaining - 1)
-        if cap <= 0 or self.drafts is None or not request.draft_ready:
+        # (a fixed-k request is taken on by the draft worker in its first propose call)
+        if cap <= 0 or self.drafts is None or not (request.draft_ready or request.fixed_k):
             return 0
         return cap if self.drafts.available(request.draft_worker) else 0
 
     def _choose_ks(self, index: int, requests: list[_Request]) -> list[int]:
+        """k per request: the policy's (below), but a fixed-k request drafts its cap every
+        round after its first (that one prefills it on the target: k = 0, whatever happens)."""
+        caps = [self._cap(request) for request in requests]
+        ks = self._policy_ks(index, requests, caps)
+        return [
+            (cap if r.target_knows else 0) if r.fixed_k else k
+            for r, cap, k in zip(requests, caps, ks, strict=True)
+        ]
+
+    def _policy_ks(self, index: int, requests: list[_Request], caps: list[int]) -> list[int]:
         """k per request: one block length for the batch (a round costs what its longest block
         costs), cut by each request's cap. When the batch has not speculated for
         ``probe_every_rounds`` rounds it probes, so that acceptance is re-measured and
         speculation comes back when it pays again."""
-        caps = [self._cap(request) for request in requests]
         if not self.config.adaptive_k:
             return caps
         ks = [0] * len(caps)
@@ -821,7 +839,8 @@ class Coordinator:
         (on a shared host it slowed the target's rounds ~10% at concurrency 16 here) and is
         wasted on a request that never drafts; the others are handed over when speculation
         comes back."""
-        fresh = [request for request in requests if request.draft_known is None]
+        # (fixed-k requests are taken on by their first propose call instead)
+        fresh = [r for r in requests if r.draft_known is None and not r.fixed_k]
         if not fresh:  # the usual round: nothing to decide
             return []
         if not self.config.adaptive_k or self._group_would_speculate(len(requests)):

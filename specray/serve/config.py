@@ -37,6 +37,9 @@ class AppArgs(BaseModel):
     num_micro_batches: int = Field(2, ge=1, le=16)
     draft_deadline_s: float = Field(5.0, gt=0)
     adaptive_k: bool = True  # choose k per request and round from measurements (else always k)
+    # Seeded requests draft a fixed block, so their tokens depend on the seed alone (see
+    # CoordinatorConfig.reproducible_seeds)
+    reproducible_seeds: bool = False
     # Placement by node type (Ray custom resources) and CPU shares.
     draft_resource: str = "draft"
     target_resource: str = "target"
@@ -134,6 +137,7 @@ class AppArgs(BaseModel):
             num_speculative_tokens=self.num_speculative_tokens if self.draft else 0,
             draft_deadline_s=self.draft_deadline_s,
             adaptive_k=self.adaptive_k,
+            reproducible_seeds=self.reproducible_seeds,
         )
 
     def placement(self) -> PlacementConfig:

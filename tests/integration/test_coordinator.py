@@ -243,3 +243,51 @@ def test_cancel_and_deadline_release_worker_state(tiny_backend):
     finally:
         runner.stop()
     assert _held(tiny_backend) == ([], [])
+
+
+# Verifying more than one token per request costs 10x a step: the policy never speculates.
+NEVER_PAYS = dict(
+    verify_prior=VerifyCost(0.0, 0.0, 0.0, table=((1, 0.05), (2, 0.5), (256, 64.0))),
+    draft_prior=DraftCost(0.0, 0.0, table=((1, 0.002),)),
+)
+
+
+def _seeded_run(backend, *, reproducible: bool, costs: dict, crowd: int):
+    """One seeded request (temperature 1, 24 tokens), alone or beside ``crowd`` others."""
+    runner = _coordinator(
+        backend,
+        num_speculative_tokens=3,
+        max_running=8,
+        num_micro_batches=1,
+        reproducible_seeds=reproducible,
+        **costs,
+    )
+    seeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
+    other = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    try:
+        streams = [runner.submit([2, 3, 1], other, request_id=f"c{i}") for i in range(crowd)]
+        output = runner.submit([1, 2, 3], seeded, request_id="seeded").result()
+        for stream in streams:
+            stream.result()
+    finally:
+        runner.stop()
+    return output
+
+
+def test_seeded_requests_reproduce_whatever_the_load_and_the_policy(tiny_backend):
+    """reproducible_seeds: a seeded sampled request gives the same 24 tokens alone, with costs
+    under which the policy speculates (GPU-like, as PIPELINED), and beside 6 other requests
+    with costs under which it never does; it drafted in both. Negative control: without the
+    flag the two runs take different schedules, and their tokens differ."""
+    gpu_like = {"verify_prior": PIPELINED.verify_prior, "draft_prior": PIPELINED.draft_prior}
+    alone = _seeded_run(tiny_backend, reproducible=True, costs=gpu_like, crowd=0)
+    crowded = _seeded_run(tiny_backend, reproducible=True, costs=NEVER_PAYS, crowd=6)
+    assert alone.token_ids == crowded.token_ids
+    assert alone.metrics.num_draft_tokens > 0 and crowded.metrics.num_draft_tokens > 0
+    # the same fixed schedule: 3 drafts a round after the first, fewer near max_tokens
+    assert alone.metrics.num_draft_tokens == crowded.metrics.num_draft_tokens
+    adaptive = _seeded_run(tiny_backend, reproducible=False, costs=gpu_like, crowd=0)
+    target_only = _seeded_run(tiny_backend, reproducible=False, costs=NEVER_PAYS, crowd=6)
+    assert target_only.metrics.num_draft_tokens == 0 < adaptive.metrics.num_draft_tokens
+    assert adaptive.token_ids != target_only.token_ids, "negative control: schedules matter"
+    assert _held(tiny_backend) == ([], [])
