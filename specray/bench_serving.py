@@ -7,7 +7,9 @@ run: target-only, the unpipelined coordinator (one micro-batch: draft, then veri
 pipelined one (two micro-batches plus draft-ahead), both with adaptive k. Reported per row:
 tokens/s, speedup over target-only, p50/p95 gap between streamed chunks, time per output token,
 target busy fraction, α, mean k, and at concurrency 1 the fraction of DESIGN.md's pipelined
-bound ``E / max(verify(K+1)/verify(1) + r/T, K·c)`` reached.
+bound ``E / max(verify(K+1)/verify(1) + r/T, K·c)`` reached. Then the simulator predicts every
+row from the costs observed in it and the acceptance traces of the run's outputs (recorded
+after the runs with the same drafter, :mod:`specray.sim.traces`): the simulator-vs-real check.
 """
 
 from __future__ import annotations
