@@ -696,9 +696,10 @@ class Coordinator:
         draft-ahead, as much as the drafts made ahead are expected to be kept (and the rest
         overlaps the network hop: the draft worker folds the verdict in as soon as it arrives);
         else none. ``optimistic``: as if the group were split whenever it can be."""
-        split = sum(1 for batch in self._batches if batch) > 1
         if optimistic:
             split = self.config.num_micro_batches > 1
+        else:
+            split = sum(1 for batch in self._batches if batch) > 1
         ahead = self.config.draft_ahead_min_hit if self.config.draft_ahead else None
         return {"pipelined": split, "draft_ahead_min_hit": ahead}
 

@@ -28,6 +28,12 @@ def _added(totals: tuple[float, float], observed_s: float, calibrated_s: float):
     return totals[0] + observed_s, totals[1] + calibrated_s
 
 
+def _mean_level(totals: tuple[float, float]) -> float | None:
+    """Observed / calibrated seconds summed over a run (None before any calibrated time)."""
+    observed, calibrated = totals
+    return observed / calibrated if calibrated > 0 else None
+
+
 def scaled(cost, level: float):
     """The calibrated table with every time multiplied by ``level``."""
     return replace(cost, table=tuple((tokens, seconds * level) for tokens, seconds in cost.table))
@@ -75,23 +81,24 @@ class Costs:
 
     @property
     def mean_verify_level(self) -> float:
-        observed, calibrated = self.verify_totals
-        return observed / calibrated if calibrated > 0 else 1.0
+        level = _mean_level(self.verify_totals)
+        return 1.0 if level is None else level
 
     @property
     def mean_levels(self) -> tuple[float, float]:
         """The run's mean (target-only level, draft-round scale), as ``verify_level`` and
         ``draft_round_scale`` are formed from the running levels."""
-        means = [o / c if c > 0 else None for o, c in (self.one_token_totals,
-                                                       self.draft_round_totals)]  # fmt: skip
-        if means[0] is None or means[1] is None:
-            return (means[0] or means[1] or 1.0), 1.0
-        return means[0], means[1] / means[0]
+        one_token = _mean_level(self.one_token_totals)
+        draft_round = _mean_level(self.draft_round_totals)
+        if one_token is None or draft_round is None:
+            only = one_token if one_token is not None else draft_round
+            return (1.0 if only is None else only), 1.0
+        return one_token, draft_round / one_token
 
     @property
     def mean_draft_level(self) -> float:
-        observed, calibrated = self.draft_totals
-        return observed / calibrated if calibrated > 0 else 1.0
+        level = _mean_level(self.draft_totals)
+        return 1.0 if level is None else level
 
     def add_verify(self, batch: int, tokens: int, seconds: float, prior: VerifyCost) -> None:
         self.verify_samples = [*self.verify_samples[-COST_SAMPLES + 1 :], (batch, tokens, seconds)]

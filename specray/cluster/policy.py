@@ -302,12 +302,18 @@ def _hidden(
     (hit >= ahead_min_hit); none without draft-ahead (ahead_min_hit None)."""
     if pipelined or ahead_min_hit is None:
         return [1.0 if pipelined else 0.0] * (max_k + 1)
+    hits = _hit_prefix(values, max_k)
+    return [hit if k and hit >= ahead_min_hit else 0.0 for k, hit in enumerate(hits)]
+
+
+def _hit_prefix(values: list[float], max_k: int) -> list[float]:
+    """[draft_ahead_hit(values, k) for k in 0..max_k] from validated values, in one pass."""
     padded = values[: max_k + 1] + [values[-1] if values else 0.0] * (max_k + 1 - len(values))
-    hidden, hit = [], 1.0
-    for k in range(max_k + 1):
-        hit *= padded[k]  # draft_ahead_hit(values, k): positions 1 .. k + 1
-        hidden.append(hit if k and hit >= ahead_min_hit else 0.0)
-    return hidden
+    hits, hit = [], 1.0
+    for alpha in padded:
+        hit *= alpha  # positions 1 .. k + 1
+        hits.append(hit)
+    return hits
 
 
 def predicted_tokens_per_s(
@@ -433,10 +439,12 @@ def choose_batch_k(
         raise ValueError(f"need one cap per acceptance list, got {len(acceptances)} and {caps!r}")
     caps = [_check(f"caps[{i}]", cap, 0, integer=True) for i, cap in enumerate(caps)]
     rtt_s = _check("rtt_s", rtt_s, 0)
-    min_hit = None if draft_ahead_min_hit is None else _check("min_hit", draft_ahead_min_hit, 0, 1)
+    min_hit = _min_hit(draft_ahead_min_hit)
+    fold = min_hit is not None
     batch, top = len(caps), min(config.max_k, max(caps))
     values = [_acceptance(acceptance) for acceptance in acceptances]
     committed = [_committed_prefix(v, top) for v in values]
+    hit_prefixes = [_hit_prefix(v, top) for v in values] if fold and not pipelined else []
     draft_s = draft._seconds(batch)
     rates = []
     for K in range(top + 1):
@@ -446,10 +454,9 @@ def choose_batch_k(
             round_s = verify._seconds(batch, 1)
         else:
             hidden = 1.0 if pipelined else 0.0
-            if not pipelined and min_hit is not None:
-                hits = [draft_ahead_hit(v, k) for v, k in zip(values, ks, strict=True) if k]
+            if hit_prefixes:  # a lone micro-batch drafting ahead
+                hits = [h[k] for h, k in zip(hit_prefixes, ks, strict=True) if k]
                 hidden = math.prod(hits) if min(hits) >= min_hit else 0.0
-            fold = min_hit is not None
             round_s = _round_s(verify._seconds(batch, K + 1), rtt_s, K * draft_s, hidden, fold)
         rates.append(total / round_s if round_s > 0 else math.inf)
     best = 0
@@ -466,8 +473,7 @@ def draft_ahead_hit(acceptance: Sequence[float], k: int) -> float:
     position's acceptance). E.g. acceptance [0.8, 0.5], k = 2: 0.8 * 0.5 * 0.5 = 0.2."""
     values = _acceptance(acceptance)
     k = _check("k", k, 0, integer=True)
-    padded = values[: k + 1] + [values[-1] if values else 0.0] * (k + 1 - len(values))
-    return math.prod(padded)
+    return _hit_prefix(values, k)[k]
 
 
 def should_draft_ahead(acceptance: Sequence[float], k: int, min_hit: float) -> bool:
