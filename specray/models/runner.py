@@ -1,17 +1,16 @@
 """Batched forward for many sequences, each with its own logical KV cache.
 
-All sequences share one batched ``DynamicCache`` whose columns are *physical slots*. Each row
-has a validity mask over the slots: a rollback (rejected draft suffix) simply marks the row's
-last slots invalid, so no prefix is recomputed and rows of different lengths coexist. Holes are
-hidden by the attention mask; positions (RoPE) come from each row's logical length. When holes
-waste too many slots the cache is compacted (one gather per layer), and trailing slots that no
-row uses are cropped.
+All sequences share one preallocated :class:`~specray.models.slot_cache.SlotCache`: row r holds
+its sequence's keys and values at slots ``0 .. length - 1``, a token's slot being its position.
+Rows of different lengths coexist (each forward writes every row at its own next slots, and a
+per-row causal mask hides the rest); a rollback (rejected draft suffix) only moves the row's
+length back; a forward runs only the rows it feeds, ordered to sit next to each other so that
+attention reads a view of them, never a copy.
 
-Example: rows A (5 tokens) and B (3 tokens) after a right-padded prefill:
-    slots  0 1 2 3 4
-    A      1 1 1 1 1
-    B      1 1 1 0 0      <- B's padding, masked
-Feeding A 1 token and B 2 tokens appends 2 slots; A's second new slot is padding.
+Example: rows A (5 tokens) and B (3 tokens), fed 1 and 2 tokens:
+    slots  0 1 2 3 4 5 6
+    A      a a a a a n p      n: new token at position 5; p: padding (A got 1 token of 2)
+    B      b b b n n . .      B's new tokens at positions 3 and 4
 """
 
 from __future__ import annotations
@@ -20,15 +19,45 @@ import time
 from collections.abc import Hashable, Mapping, Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specray.models.linears import tune_decoder_linears, tune_head
+from specray.models.slot_cache import SlotCache
 
 # Model families whose logits are exactly ``lm_head(hidden)``: for them the runner computes
 # logits only for the rows it needs. Others go through the model's own forward with their head.
 PLAIN_HEAD_TYPES = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
-COMPACT_MIN_WASTED_SLOTS = 32  # compact when this many slots are wasted in the widest row ...
-COMPACT_MIN_WASTED_FRACTION = 0.25  # ... and they are at least this share of all slots
+# Families whose attention masks the runner builds itself (``_masks``): the causal rule per
+# row, and a sliding window where the family's own mask function would apply one.
+SUPPORTED_TYPES = PLAIN_HEAD_TYPES
+MASK_BY_LAYER_TYPE = {"qwen2", "qwen3", "smollm3"}  # they take {layer type: mask}
+GROUPED_SDPA = "specray_grouped_sdpa"
+
+
+def _grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' "sdpa", except that with a mask, grouped-query KV heads go to SDPA as
+    they are (``enable_gqa``) instead of being copied once per query head: over the runner's
+    strided cache views that copy cost up to 10x the attention itself on CPU (where a masked
+    grouped kernel exists; transformers copies to suit CUDA's kernels)."""
+    grouped = attention_mask is not None and query.shape[1] != key.shape[1]
+    if not grouped or kwargs.get("position_bias") is not None or kwargs.get("softcap"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=kwargs.get("dropout", 0.0),
+        scale=kwargs.get("scaling"),
+        enable_gqa=True,
+    )  # [batch, heads, width, dim]
+    return output.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # as "sdpa" for anyone else's call
 
 
 def require_plain_head(model: torch.nn.Module, needed_by: str) -> None:
@@ -45,8 +74,19 @@ class ModelRunner:
     """Owns a model and the KV caches of the sequences it serves."""
 
     def __init__(self, model: torch.nn.Module, *, tune: bool = True):
-        self.model = model.eval()
         config = model.config
+        if config.model_type not in SUPPORTED_TYPES:
+            raise ValueError(
+                f"model_type {config.model_type!r} is not supported (the runner builds its "
+                f"attention masks per family): use one of {sorted(SUPPORTED_TYPES)}"
+            )
+        self.model = model.eval()
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        if config._attn_implementation == "sdpa" and on_cpu:
+            # (a feature-conditioned draft wraps a transformers decoder: switch that)
+            owner = model if hasattr(model, "set_attn_implementation") else model.get_decoder()
+            owner.set_attn_implementation(GROUPED_SDPA)
+        self._windows = _windows(config)
         head = model.get_output_embeddings()
         # A reduced-vocabulary head (a distilled draft) reports the full size as out_features.
         self.vocab_size = int(getattr(head, "out_features", head.weight.shape[0]))
@@ -60,10 +100,9 @@ class ModelRunner:
         self.linear_tuning = tune_decoder_linears(decoder) if tune and decoder else None
         self._tuned_head = tune_head(head) if tune and plain_head else None
         self.head_s = 0.0  # seconds in the head (logits), over the runner's life: benchmarks
-        self.cache: DynamicCache | None = None
+        self.cache: SlotCache | None = None
         self.seq_ids: list[Hashable] = []  # row order of the cache
-        self.lengths: list[int] = []  # logical tokens cached per row
-        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [rows, slots]
+        self.lengths: list[int] = []  # tokens cached per row (slots 0 .. length - 1)
 
     # ---- bookkeeping -------------------------------------------------------------------
     def __contains__(self, seq_id: Hashable) -> bool:
@@ -74,10 +113,8 @@ class ModelRunner:
 
     @property
     def num_slots(self) -> int:
-        return self.valid.shape[1]
-
-    def _layers(self):
-        return self.cache.layers if self.cache is not None else []
+        """Slots a forward over every row would attend over (before its new tokens)."""
+        return max(self.lengths, default=0)
 
     @torch.inference_mode()
     def remove(self, seq_ids: Sequence[Hashable]) -> None:
@@ -86,19 +123,14 @@ class ModelRunner:
         if not drop:
             return
         keep = [row for row, seq_id in enumerate(self.seq_ids) if seq_id not in drop]
+        if not keep:
+            self.cache, self.seq_ids, self.lengths = None, [], []
+            return
+        self.cache.reorder(keep, self.num_slots)
         self.seq_ids = [self.seq_ids[row] for row in keep]
         self.lengths = [self.lengths[row] for row in keep]
-        if not keep:
-            self.cache, self.valid = None, torch.zeros(0, 0, dtype=torch.bool)
-            return
-        index = torch.tensor(keep)
-        for layer in self._layers():
-            layer.keys = layer.keys.index_select(0, index)
-            layer.values = layer.values.index_select(0, index)
-        self.valid = self.valid.index_select(0, index)
-        self._shrink()
+        self.cache.trim(len(keep), self.num_slots)
 
-    @torch.inference_mode()
     def rollback(self, seq_id: Hashable, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` cached tokens of a sequence (a rejected suffix)."""
         if num_tokens <= 0:
@@ -108,42 +140,7 @@ class ModelRunner:
             raise ValueError(
                 f"cannot roll back {num_tokens} tokens of a {self.lengths[row]}-token sequence"
             )
-        slots = self.valid[row].nonzero().squeeze(-1)  # [length]
-        self.valid[row, slots[-num_tokens:]] = False
-        self.lengths[row] -= num_tokens
-        self._shrink()  # at batch 1 the rejected suffix is the tail: cropped, no holes left
-
-    @torch.inference_mode()
-    def _shrink(self) -> None:
-        """Crop slots no row uses at the end; compact when holes waste too much."""
-        used = self.valid.any(dim=0).nonzero()
-        width = int(used[-1]) + 1 if len(used) else 0
-        if width < self.num_slots:
-            self.valid = self.valid[:, :width]
-            for layer in self._layers():
-                layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
-        longest = max(self.lengths, default=0)
-        wasted = self.num_slots - longest
-        if wasted >= COMPACT_MIN_WASTED_SLOTS and wasted >= COMPACT_MIN_WASTED_FRACTION * (
-            self.num_slots
-        ):
-            self._compact(longest)
-
-    def _compact(self, width: int) -> None:
-        """Gather each row's valid slots to the right end of a ``width``-slot cache."""
-        rows = len(self.seq_ids)
-        index = torch.zeros(rows, width, dtype=torch.int64)  # [rows, width]
-        valid = torch.zeros(rows, width, dtype=torch.bool)
-        for row in range(rows):
-            slots = self.valid[row].nonzero().squeeze(-1)
-            index[row, width - len(slots) :] = slots
-            valid[row, width - len(slots) :] = True
-        for layer in self._layers():
-            heads, dim = layer.keys.shape[1], layer.keys.shape[3]
-            gather = index[:, None, :, None].expand(rows, heads, width, dim)
-            layer.keys = layer.keys.gather(2, gather)
-            layer.values = layer.values.gather(2, gather)
-        self.valid = valid
+        self.lengths[row] -= num_tokens  # the next forward overwrites those slots
 
     # ---- calibration -------------------------------------------------------------------
     @torch.inference_mode()
@@ -202,70 +199,53 @@ class ModelRunner:
                 f"hidden states need a model whose logits are lm_head(hidden) (model types "
                 f"{sorted(PLAIN_HEAD_TYPES)}), got {self.model.config.model_type!r}"
             )
-        fresh = [seq_id for seq_id in new_token_ids if seq_id not in self.seq_ids]
-        if fresh:
-            self._append_rows(fresh)
-        if not self.seq_ids:
-            return {}, hidden
-        rows = len(self.seq_ids)
-        counts = [len(new_token_ids.get(seq_id, ())) for seq_id in self.seq_ids]
-        width = max(counts)
-        if width == 0:
-            return {}, hidden
-        for row, seq_id in enumerate(self.seq_ids):  # checked before any state changes
+        counts = {seq_id: len(tokens) for seq_id, tokens in new_token_ids.items()}
+        for seq_id, count in counts.items():  # checked before any state changes
             for name, wanted in (("num_logits", num_logits), ("num_hidden", num_hidden)):
-                if seq_id in wanted and not 1 <= wanted[seq_id] <= counts[row]:
-                    raise ValueError(f"{name} for {seq_id!r} must be in [1, {counts[row]}]")
-            if features is not None and len(features.get(seq_id, ())) != counts[row]:
-                raise ValueError(f"features for {seq_id!r} must have {counts[row]} rows")
-        # Only the rows fed in this call run: with two micro-batches (or a prefill beside
-        # decoding requests) the others would otherwise be computed as padding.
-        active = [row for row in range(rows) if counts[row] or not self._layers()]
-        batch = len(active)
+                if seq_id in wanted and not 1 <= wanted[seq_id] <= count:
+                    raise ValueError(f"{name} for {seq_id!r} must be in [1, {count}]")
+            if features is not None and len(features.get(seq_id, ())) != count:
+                raise ValueError(f"features for {seq_id!r} must have {count} rows")
+        fresh = [seq_id for seq_id in new_token_ids if seq_id not in self.seq_ids]
+        self.seq_ids.extend(fresh)
+        self.lengths.extend([0] * len(fresh))
+        running = [seq_id for seq_id in self.seq_ids if counts.get(seq_id)]  # in row order
+        if not running:
+            return {}, hidden
+        width = max(counts[seq_id] for seq_id in running)
+        # Only the rows fed in this call run (a micro-batch, or a prefill beside decoding
+        # requests), and as one block of rows: attention then reads a view of their cache.
+        if self.cache is None:
+            self.cache = SlotCache()
+        lengths = {seq_id: self.lengths[row] for row, seq_id in enumerate(self.seq_ids)}
+        end = max(lengths[seq_id] for seq_id in running) + width  # slots attended over
+        self.cache.reserve(len(self.seq_ids), end, len(self.seq_ids), self.num_slots)
+        first = self._place_together(running)
+        batch = len(running)
+        starts = torch.tensor([lengths[seq_id] for seq_id in running])  # [batch]
+        positions = starts[:, None] + torch.arange(width)  # [batch, width]: slot = position
         input_ids = torch.zeros(batch, width, dtype=torch.int64)  # [batch, width], 0 = padding
-        positions = torch.zeros(batch, width, dtype=torch.int64)  # [batch, width]
-        new_valid = torch.zeros(batch, width, dtype=torch.bool)  # [batch, width]
         feature_batch = None  # [batch, width, feature_size], zeros where padding
         if features is not None:
             size = next(iter(features.values())).shape[-1]
             feature_batch = torch.zeros(batch, width, size)
-        for index, row in enumerate(active):
-            seq_id = self.seq_ids[row]
+        for index, seq_id in enumerate(running):
             tokens = new_token_ids[seq_id]
             input_ids[index, : len(tokens)] = torch.as_tensor(list(tokens))
-            new_valid[index, : len(tokens)] = True
             if feature_batch is not None:
                 feature_batch[index, : len(tokens)] = features[seq_id]
-            positions[index] = torch.arange(self.lengths[row], self.lengths[row] + width)
-        if self.cache is None:
-            self.cache = DynamicCache()  # full-attention layers: slots are ours to crop
-        # (Before the first forward there are no layers to gather from: everyone runs.)
-        subset = torch.tensor(active) if batch < rows and self._layers() else None
-        old_valid = self.valid if subset is None else self.valid.index_select(0, subset)
-        valid = torch.cat([old_valid, new_valid], dim=1)  # [batch, slots + width]
-        attention_mask = None if bool(valid.all()) else valid.to(torch.int64)
-        cache = self.cache if subset is None else self._gather(subset)
-        hidden_or_logits = self._run(input_ids, positions, attention_mask, feature_batch, cache)
-        if subset is None:
-            self.valid = valid
-        else:
-            self._scatter(subset, cache, width)
-            self.valid = torch.cat([self.valid, torch.zeros(rows, width, dtype=torch.bool)], 1)
-            self.valid[subset] = valid
+        self.cache.begin(first, positions, end)
+        masks = self._masks(positions, end)
+        hidden_or_logits = self._run(input_ids, positions, masks, feature_batch, self.cache)
         wanted = []  # (seq_id, row in this batch, first column, last column + 1) needing logits
-        for index, row in enumerate(active):
-            seq_id = self.seq_ids[row]
-            self.lengths[row] += counts[row]
+        for index, seq_id in enumerate(running):
+            count = counts[seq_id]
+            self.lengths[first + index] += count
             if seq_id in num_logits:
-                wanted.append((seq_id, index, counts[row] - num_logits[seq_id], counts[row]))
+                wanted.append((seq_id, index, count - num_logits[seq_id], count))
             if seq_id in num_hidden:  # [num_hidden, hidden_size], views of this batch
-                first = counts[row] - num_hidden[seq_id]
-                hidden[seq_id] = hidden_or_logits[index, first : counts[row]].float()
-        if subset is not None:
-            # The rows that did not run got `width` masked slots: compact now rather than
-            # carry them (every later step copies and attends over all slots) until a
-            # rollback or removal happens to do it.
-            self._shrink()
+                start = count - num_hidden[seq_id]
+                hidden[seq_id] = hidden_or_logits[index, start:count].float()
         if not wanted:
             return {}, hidden
         # All requested rows through the head in one matmul: the head's weight is read once.
@@ -277,31 +257,40 @@ class ModelRunner:
         parts = logits.split(sizes)
         return {seq_id: part for (seq_id, *_), part in zip(wanted, parts, strict=True)}, hidden
 
-    def _gather(self, subset: torch.Tensor) -> DynamicCache:
-        """A cache holding only the ``subset`` rows (copies), for a forward over them."""
-        cache = DynamicCache()
-        for index, layer in enumerate(self._layers()):
-            cache.update(
-                layer.keys.index_select(0, subset), layer.values.index_select(0, subset), index
-            )
-        return cache
+    def _place_together(self, running: list[Hashable]) -> int:
+        """Order the rows so that ``running`` (in row order) is one block; return its first
+        row. Already one block: nothing moves. Otherwise the block goes first and the other
+        rows after it in their order, so two micro-batches alternating stay two blocks (one
+        copy when a request joins one, none per step)."""
+        rows = [self.seq_ids.index(seq_id) for seq_id in running]
+        if rows[-1] - rows[0] + 1 == len(rows):
+            return rows[0]
+        chosen = set(rows)
+        order = rows + [row for row in range(len(self.seq_ids)) if row not in chosen]
+        self.cache.reorder(order, self.num_slots)
+        self.seq_ids = [self.seq_ids[row] for row in order]
+        self.lengths = [self.lengths[row] for row in order]
+        return 0
 
-    def _scatter(self, subset: torch.Tensor, cache: DynamicCache, width: int) -> None:
-        """Append ``width`` slots to every row: the ``subset`` rows' new keys and values from
-        ``cache``; zeros (masked as invalid) for the rows that did not run."""
-        for layer, ran in zip(self._layers(), cache.layers, strict=True):
-            for name in ("keys", "values"):
-                old = getattr(layer, name)  # [rows, heads, slots, dim]
-                new = getattr(ran, name)[:, :, old.shape[2] :]  # [batch, heads, width, dim]
-                grown = torch.cat([old, old.new_zeros((*old.shape[:2], width, old.shape[3]))], 2)
-                grown[:, :, old.shape[2] :].index_copy_(0, subset, new)
-                setattr(layer, name, grown)
+    def _masks(self, positions: torch.Tensor, end: int):
+        """Attention masks ``[batch, 1, width, end]`` (True: attend): token j of row i sees slots
+        up to its position, and within the family's sliding window where one applies. One
+        tensor, or {layer type: tensor} for families that mask per layer type."""
+        slots = torch.arange(end)  # [end]
+        query = positions[:, None, :, None]  # [batch, 1, width, 1]
+        causal = slots <= query  # [batch, 1, width, end]
+        masks = {
+            kind: causal if window is None else causal & (slots > query - window)
+            for kind, window in self._windows.items()
+        }
+        by_type = self.model.config.model_type in MASK_BY_LAYER_TYPE
+        return masks if by_type else masks["full_attention"]
 
-    def _run(self, input_ids, positions, attention_mask, feature_batch, cache):
+    def _run(self, input_ids, positions, masks, feature_batch, cache):
         if feature_batch is not None:  # the model mixes each token's feature into its input
             return self._decoder(
                 inputs_embeds=self.model.embed_with_features(input_ids, feature_batch),
-                attention_mask=attention_mask,
+                attention_mask=masks,
                 position_ids=positions,
                 cache=cache,
                 use_cache=True,
@@ -309,14 +298,14 @@ class ModelRunner:
         if self._decoder is not None:
             return self._decoder(
                 input_ids=input_ids,
-                attention_mask=attention_mask,
+                attention_mask=masks,
                 position_ids=positions,
                 cache=cache,
                 use_cache=True,
             ).last_hidden_state  # [rows, width, hidden]
         return self.model(
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=masks,
             position_ids=positions,
             cache=cache,
             use_cache=True,
@@ -340,47 +329,34 @@ class ModelRunner:
             return
         if any(seq_id in self.seq_ids for seq_id in seq_ids):
             raise ValueError("import_rows: a sequence is already cached here")
-        index = torch.tensor(rows)
-        width = max(self.num_slots, source.num_slots)
-        dtype = self.model.dtype
-
-        def pad(tensor: torch.Tensor, slots_dim: int) -> torch.Tensor:  # right-pad to width
-            missing = width - tensor.shape[slots_dim]
-            if missing == 0:
-                return tensor
-            shape = list(tensor.shape)
-            shape[slots_dim] = missing
-            return torch.cat([tensor, tensor.new_zeros(shape)], dim=slots_dim)
-
-        imported = [
-            (
-                pad(layer.keys.index_select(0, index).to(dtype), 2),
-                pad(layer.values.index_select(0, index).to(dtype), 2),
-            )
-            for layer in source.cache.layers
-        ]
+        lengths = [source.lengths[row] for row in rows]
+        first, slots = len(self.seq_ids), max(lengths)
         if self.cache is None:
-            self.cache = DynamicCache()  # full-attention layers: slots are ours to crop
-            for layer_index, (keys, values) in enumerate(imported):
-                self.cache.update(keys, values, layer_index)
-            self.valid = pad(source.valid.index_select(0, index), 1)
-        else:
-            for layer, (keys, values) in zip(self.cache.layers, imported, strict=True):
-                layer.keys = torch.cat([pad(layer.keys, 2), keys])
-                layer.values = torch.cat([pad(layer.values, 2), values])
-            self.valid = torch.cat(
-                [pad(self.valid, 1), pad(source.valid.index_select(0, index), 1)]
-            )
+            self.cache = SlotCache()
+        self.cache.reserve(first + len(rows), slots, first, self.num_slots)
+        index = torch.tensor(rows)
+        dtype = self.model.dtype
+        self.cache.write_rows(
+            first,
+            [
+                (
+                    layer.keys[:, :, :slots].index_select(0, index).to(dtype),
+                    layer.values[:, :, :slots].index_select(0, index).to(dtype),
+                )
+                for layer in source.cache.layers
+            ],
+        )
         self.seq_ids.extend(seq_ids)
-        self.lengths.extend(source.lengths[row] for row in rows)
+        self.lengths.extend(lengths)
 
-    def _append_rows(self, seq_ids: Sequence[Hashable]) -> None:
-        """Register new, empty sequences: add cache rows whose slots are all invalid."""
-        added = len(seq_ids)
-        self.seq_ids.extend(seq_ids)
-        self.lengths.extend([0] * added)
-        self.valid = torch.cat([self.valid, torch.zeros(added, self.num_slots, dtype=torch.bool)])
-        for layer in self._layers():
-            pad = layer.keys.new_zeros((added, *layer.keys.shape[1:]))
-            layer.keys = torch.cat([layer.keys, pad])
-            layer.values = torch.cat([layer.values, pad.clone()])
+
+def _windows(config) -> dict[str, int | None]:
+    """{layer type: sliding window or None} as the family's own mask functions would apply:
+    per layer type for the families that mask per type; otherwise one mask, windowed when the
+    config has a window (Mistral)."""
+    if config.model_type in MASK_BY_LAYER_TYPE:
+        windows = {"full_attention": None}
+        if "sliding_attention" in config.layer_types:
+            windows["sliding_attention"] = config.sliding_window
+        return windows
+    return {"full_attention": getattr(config, "sliding_window", None)}

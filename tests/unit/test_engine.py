@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from specray.engine import Engine
-from specray.models import runner as runner_module
 from specray.models.runner import ModelRunner
 from specray.sampling import LogitsPipeline, SamplingParams
 from tests.helpers.tiny_models import last_logits, perturbed_copy, tiny_llama
@@ -150,16 +149,15 @@ TINY_PROMPTS = [[5], [1, 2, 3, 1, 2], [7, 0, 7, 0, 7, 0, 6, 6, 2]]  # lengths 1,
 )
 def test_tiny_greedy_identity(draft, k, options, tiny_target, tiny_draft, monkeypatch):
     """Greedy output equals an engine-free greedy oracle for every drafter and k, prompts of
-    length 1, 5 and 9 batched together; the target cache is compacted along the way."""
-    compactions = []
-    original_compact = ModelRunner._compact
+    length 1, 5 and 9 batched together; rejected drafts are rolled back along the way."""
+    rollbacks = []
+    original_rollback = ModelRunner.rollback
 
-    def counting_compact(self, width):
-        compactions.append(width)
-        return original_compact(self, width)
+    def counting_rollback(self, seq_id, num_tokens):
+        rollbacks.append(num_tokens)
+        return original_rollback(self, seq_id, num_tokens)
 
-    monkeypatch.setattr(ModelRunner, "_compact", counting_compact)
-    monkeypatch.setattr(runner_module, "COMPACT_MIN_WASTED_SLOTS", 4)  # compact small holes too
+    monkeypatch.setattr(ModelRunner, "rollback", counting_rollback)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **options)
     engine = Engine(
         target=tiny_target,
@@ -170,7 +168,7 @@ def test_tiny_greedy_identity(draft, k, options, tiny_target, tiny_draft, monkey
     for prompt, output in zip(TINY_PROMPTS, outputs, strict=True):
         assert output.token_ids == oracle_greedy(tiny_target, prompt, params), prompt
     if draft == "model" and k >= 3:
-        assert compactions, "expected the runner to compact holes left by rejected drafts"
+        assert any(rollbacks), "expected the runner to roll back rejected drafts"
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2])

@@ -1,34 +1,57 @@
 """ModelRunner against the oracle of recomputing each sequence from scratch.
 
-A random schedule of appends (new and existing sequences, ragged widths), rollbacks, removals
-and compactions must give the same logits as a full forward of each sequence alone.
+A random schedule of appends (new and existing sequences, ragged widths, random subsets of the
+rows), rollbacks and removals must give the same logits as a full forward of each sequence
+alone, computed by an untouched copy of the model with transformers' eager attention.
 """
 
+import copy
 import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
-from specray.models import runner as runner_module
+from specray.models import slot_cache
 from specray.models.runner import ModelRunner
+from specray.models.slot_cache import SlotCache
 
 VOCAB = 50
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
+def _build(model_class, config):
+    torch.manual_seed(0)
+    return model_class(config).eval()
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(config).eval()
+    return _build(LlamaForCausalLM, LlamaConfig(**TINY))
+
+
+def _eager(model):
+    """An independent copy for reference logits: transformers' own masks and attention."""
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    return reference
 
 
 def _reference_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -36,33 +59,42 @@ def _reference_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0]  # [len, vocab]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_schedule_matches_recompute(tiny_model, monkeypatch, seed):
-    monkeypatch.setattr(runner_module, "COMPACT_MIN_WASTED_SLOTS", 4)  # compact often
-    runner = ModelRunner(tiny_model)
+class _Counting:
+    """Counts the cache's row moves and reallocations (the schedule must exercise both)."""
+
+    def __init__(self, monkeypatch):
+        self.moves = self.reallocations = 0
+        reorder, reallocate = SlotCache.reorder, SlotCache._reallocate
+
+        def counting_reorder(cache, order, used_slots):
+            self.moves += any(row != i for i, row in enumerate(order))
+            reorder(cache, order, used_slots)
+
+        def counting_reallocate(cache, *args):
+            self.reallocations += 1
+            reallocate(cache, *args)
+
+        monkeypatch.setattr(SlotCache, "reorder", counting_reorder)
+        monkeypatch.setattr(SlotCache, "_reallocate", counting_reallocate)
+
+
+def _random_schedule(model, seed: int, steps: int = 50) -> None:
+    reference = _eager(model)
+    runner = ModelRunner(model)
     schedule = random.Random(seed)
     sequences: dict[str, list[int]] = {}
-    compactions = 0
-    original_compact = runner._compact
-
-    def counting_compact(width):
-        nonlocal compactions
-        compactions += 1
-        original_compact(width)
-
-    runner._compact = counting_compact
-    for step in range(50):
+    for step in range(steps):
         feed = {}
         candidates = list(sequences) + ([f"s{step}"] if step % 6 == 0 else [])
         for seq_id in candidates:
-            if schedule.random() < 0.8:
+            if schedule.random() < 0.6:
                 count = schedule.randint(1, 5)
                 feed[seq_id] = [schedule.randrange(VOCAB) for _ in range(count)]
         num_logits = {seq_id: schedule.randint(1, len(tokens)) for seq_id, tokens in feed.items()}
         logits = runner.forward(feed, num_logits)
         for seq_id, tokens in feed.items():
             sequences.setdefault(seq_id, []).extend(tokens)
-            expected = _reference_logits(tiny_model, sequences[seq_id])[-num_logits[seq_id] :]
+            expected = _reference_logits(reference, sequences[seq_id])[-num_logits[seq_id] :]
             torch.testing.assert_close(logits[seq_id], expected, atol=1e-5, rtol=1e-5)
         for seq_id in list(sequences):
             if schedule.random() < 0.3 and len(sequences[seq_id]) > 2:
@@ -72,10 +104,59 @@ def test_random_schedule_matches_recompute(tiny_model, monkeypatch, seed):
             if schedule.random() < 0.05:
                 runner.remove([seq_id])
                 del sequences[seq_id]
-        runner._shrink()
         for seq_id, tokens in sequences.items():
             assert runner.length(seq_id) == len(tokens)
-    assert compactions > 0, "the schedule must exercise compaction"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_schedule_matches_recompute(tiny_model, monkeypatch, seed):
+    monkeypatch.setattr(slot_cache, "MIN_SLOTS", 4)  # grow (and copy) often
+    monkeypatch.setattr(slot_cache, "MIN_ROWS", 1)
+    counts = _Counting(monkeypatch)
+    _random_schedule(tiny_model, seed)
+    assert counts.moves > 0, "the schedule must run rows that are not one block"
+    assert counts.reallocations > 2, "the schedule must grow the cache"
+
+
+@pytest.mark.parametrize(
+    ("model_class", "config"),
+    [
+        (MistralForCausalLM, MistralConfig(**TINY, sliding_window=4)),
+        (
+            Qwen2ForCausalLM,
+            Qwen2Config(
+                **TINY,
+                use_sliding_window=True,
+                sliding_window=3,
+                max_window_layers=1,
+                layer_types=["full_attention", "sliding_attention"],
+            ),
+        ),
+    ],
+    ids=["mistral-window-4", "qwen2-full-and-window-3"],
+)
+def test_sliding_windows_match_the_family(model_class, config, monkeypatch):
+    """Sequences longer than the window: the runner's own masks apply the window where the
+    family's mask functions do (one window for Mistral; per layer type for Qwen2)."""
+    monkeypatch.setattr(slot_cache, "MIN_SLOTS", 4)
+    _random_schedule(_build(model_class, config), seed=3, steps=30)
+
+
+def test_window_changes_the_logits():
+    """Negative control for the test above: the window is visible in the logits at these
+    lengths (the same weights without a window disagree)."""
+    windowed = _build(MistralForCausalLM, MistralConfig(**TINY, sliding_window=4))
+    unwindowed = _build(MistralForCausalLM, MistralConfig(**TINY, sliding_window=None))
+    tokens = list(range(1, 12))
+    runner = ModelRunner(unwindowed)
+    logits = runner.forward({"a": tokens}, {"a": len(tokens)})["a"]
+    assert not torch.allclose(logits, _reference_logits(_eager(windowed), tokens), atol=1e-3)
+
+
+def test_unsupported_family_is_refused():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        ModelRunner(model)
 
 
 def test_rollback_more_than_cached_is_an_error(tiny_model):
@@ -85,6 +166,13 @@ def test_rollback_more_than_cached_is_an_error(tiny_model):
         runner.rollback("a", 4)
 
 
+def test_bad_num_logits_changes_nothing(tiny_model):
+    runner = ModelRunner(tiny_model)
+    with pytest.raises(ValueError, match=r"num_logits for 'a' must be in \[1, 2\]"):
+        runner.forward({"a": [1, 2]}, {"a": 3})
+    assert runner.seq_ids == []
+
+
 def test_remove_frees_rows(tiny_model):
     runner = ModelRunner(tiny_model)
     runner.forward({"a": [1, 2], "b": [3]}, {"a": 1, "b": 1})
@@ -92,33 +180,42 @@ def test_remove_frees_rows(tiny_model):
     assert runner.seq_ids == [] and runner.cache is None and runner.num_slots == 0
 
 
-def test_only_the_rows_fed_run(tiny_model, monkeypatch):
-    """A forward over some sequences computes only their rows: a prefill beside decoding
-    requests, or one micro-batch of two, does not pay for the others as padding; the masked
-    slots it leaves the others are compacted away at once (later steps would copy and attend
-    over them)."""
-    monkeypatch.setattr(runner_module, "COMPACT_MIN_WASTED_SLOTS", 1)
-    monkeypatch.setattr(runner_module, "COMPACT_MIN_WASTED_FRACTION", 0.0)
+def test_memory_is_given_back_after_a_long_sequence_leaves(tiny_model):
+    runner = ModelRunner(tiny_model)
+    runner.forward({"long": list(range(1, 48)) * 30, "short": [1, 2]}, {})
+    grown = runner.cache.slot_capacity
+    runner.remove(["long"])
+    assert grown >= 1410 and runner.cache.slot_capacity <= 128
+    expected = _reference_logits(_eager(tiny_model), [1, 2, 3])[-1:]
+    torch.testing.assert_close(runner.forward({"short": [3]}, {"short": 1})["short"], expected)
+
+
+def test_only_the_rows_fed_run_as_one_block(tiny_model, monkeypatch):
+    """A forward over some sequences computes only their rows (a prefill beside decoding
+    requests, or one micro-batch of two, does not pay for the others as padding), and two
+    micro-batches taking turns are each one block of rows after the first turn: no rows move
+    per step."""
+    reference = _eager(tiny_model)
+    counts = _Counting(monkeypatch)
     runner = ModelRunner(tiny_model)
     batch_sizes = []
     hook = tiny_model.model.embed_tokens.register_forward_hook(
         lambda _module, args, _out: batch_sizes.append(args[0].shape[0])
     )
+    sequences = {f"d{i}": [1, 2, 3] for i in range(6)}
     try:
-        runner.forward({f"d{i}": [1, 2, 3] for i in range(6)}, {})
-        runner.forward({"new": list(range(1, 20))}, {"new": 1})  # a prefill beside 6 others
-        slots_after_prefill = runner.num_slots  # 3 + 19 before compaction
-        runner.forward({"d0": [4], "d1": [5]}, {"d0": 1, "d1": 1})  # one micro-batch
+        runner.forward(dict(sequences), {})
+        sequences["new"] = list(range(1, 20))
+        runner.forward({"new": sequences["new"]}, {"new": 1})  # a prefill beside 6 others
+        halves = (["d0", "d2", "d4"], ["d1", "d3", "d5", "new"])
+        for turn in range(6):
+            feed = {seq_id: [4 + turn] for seq_id in halves[turn % 2]}
+            logits = runner.forward(feed, dict.fromkeys(feed, 1))
+            for seq_id, tokens in feed.items():
+                sequences[seq_id] += tokens
+                expected = _reference_logits(reference, sequences[seq_id])[-1:]
+                torch.testing.assert_close(logits[seq_id], expected, atol=1e-5, rtol=1e-5)
     finally:
         hook.remove()
-    assert batch_sizes == [6, 1, 2]
-    assert slots_after_prefill == 19
-    # The rows that did not run are intact: each continues as if computed alone.
-    for seq_id, tokens in (
-        ("d2", [1, 2, 3, 7]),
-        ("new", [*range(1, 20), 7]),
-        ("d0", [1, 2, 3, 4, 7]),
-    ):
-        logits = runner.forward({seq_id: [7]}, {seq_id: 1})[seq_id]
-        expected = _reference_logits(tiny_model, tokens)[-1:]
-        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert batch_sizes == [6, 1, 3, 4, 3, 4, 3, 4]
+    assert counts.moves == 1, "the micro-batches should be placed once, then stay blocks"
