@@ -55,13 +55,14 @@ class ServingBenchConfig:
             raise ValueError(f"concurrency must be positive integers, got {self.concurrency!r}")
 
 
-def parse_concurrency(value: str) -> tuple[int, ...]:
+def parse_concurrency(value: str, *, param: str = "concurrency") -> tuple[int, ...]:
+    """``"1,4,16"`` -> ``(1, 4, 16)``; ``param`` names the option in errors."""
     try:
         levels = tuple(int(part) for part in value.split(","))
     except ValueError:
-        raise ValueError(f"concurrency must be like 1,4,16, got {value!r}") from None
+        raise ValueError(f"{param} must be like 1,4,16, got {value!r}") from None
     if not levels or min(levels) < 1:
-        raise ValueError(f"concurrency must be positive integers, got {value!r}")
+        raise ValueError(f"{param} must be positive integers, got {value!r}")
     return levels
 
 

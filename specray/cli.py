@@ -96,6 +96,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "figures are the machinery's)",
     )
     bench.add_argument(
+        "--steps",
+        metavar="1,4,16",
+        help="one target forward (a decode step and a k=4 verification) at these batch sizes: "
+        "specray's runner vs transformers' DynamicCache, side by side",
+    )
+    bench.add_argument(
+        "--contexts", default="64,256", help="for --steps: cached tokens per sequence"
+    )
+    bench.add_argument(
         "--drafters",
         metavar="all|A,B",
         help="every drafter (ngram, self:bf16|fp16|int8, distilled:fp32|fp16, ngram+X...) on the "
@@ -277,12 +286,28 @@ def _overhead_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _steps_bench(args: argparse.Namespace) -> int:
+    from specray.bench_serving import parse_concurrency
+    from specray.bench_steps import StepsConfig, format_steps, run_steps_bench
+
+    config = StepsConfig(
+        target=args.target,
+        batches=parse_concurrency(args.steps, param="--steps"),
+        contexts=parse_concurrency(args.contexts, param="--contexts"),
+    )
+    report = run_steps_bench(config)
+    print(json.dumps(report, indent=2) if args.json else format_steps(report))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from specray.bench import BenchConfig, parse_k, print_report, run_bench, run_distributed_bench
 
     if args.overhead:
         return _overhead_bench(args)
     args.target = args.target or "default"
+    if args.steps:
+        return _steps_bench(args)
     if args.concurrency:
         return _serving_bench(args)
     if args.drafters:
