@@ -156,18 +156,30 @@ class TargetCore:
         self._features: dict[Hashable, FeatureRows] = {}  # h of committed cached positions
         self.forward_s = 0.0  # seconds in verification forwards (the rest of a round is rules)
 
-    def prefill(self, requests: Sequence[RequestState]) -> None:
-        """Cache each prompt except its last token (the first pending token)."""
-        feeds = {r.request_id: r.prompt_token_ids[:-1] for r in requests}
-        feeds = {key: value for key, value in feeds.items() if value}
+    def prefill(
+        self, requests: Sequence[RequestState], until: Mapping[Hashable, int] | None = None
+    ) -> None:
+        """Cache each prompt except its last token (the first pending token), going on from
+        what is cached already; with ``until``, only up to that many of a request's tokens
+        (chunked prefill: a long prompt over several rounds, beside other requests' decoding).
+        """
+        feeds, starts = {}, {}
+        for request in requests:
+            seq_id = request.request_id
+            cached = self.runner.length(seq_id) if seq_id in self.runner else 0
+            end = len(request.prompt_token_ids) - 1
+            if until is not None and seq_id in until:
+                end = min(end, until[seq_id])
+            if end > cached:
+                feeds[seq_id], starts[seq_id] = request.prompt_token_ids[cached:end], cached
         if not self.keep_features:
             self.runner.forward(feeds, {})
             return
         _, hidden = self.runner.forward(feeds, {}, num_hidden={k: len(v) for k, v in feeds.items()})
         for request in requests:
-            store = self._features[request.request_id] = FeatureRows(self.hidden_size)
+            store = self._features.setdefault(request.request_id, FeatureRows(self.hidden_size))
             if request.request_id in hidden:
-                store.write(0, hidden[request.request_id])
+                store.write(starts[request.request_id], hidden[request.request_id])
 
     def target_features(self, request_id: Hashable) -> torch.Tensor:
         """h_0 .. h_{T-2} of a request with T committed tokens: ``[T - 1, hidden]`` (a view)."""

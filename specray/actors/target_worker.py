@@ -16,6 +16,7 @@ from typing import ClassVar
 import ray
 import torch
 
+from specray.cluster.backends import prefilling_result
 from specray.core import RequestState, TargetCore, eos_token_ids
 from specray.models.loading import load_model
 from specray.models.runner import ModelRunner
@@ -106,7 +107,10 @@ class TargetWorker:
 
         Each item: ``request_id``, ``step``, ``num_committed``, ``expect_draft``, and on a
         request's first round (or to replay after a restart) ``prompt_token_ids``, ``params``,
-        ``seed`` and ``output_token_ids``. Returns per request the committed tokens, counts and
+        ``seed`` and ``output_token_ids``; optionally ``prefill_until``: cache at most that
+        many of the request's context tokens this round (chunked prefill). A request whose
+        context is not all cached after this round's prefill is not verified: its result has
+        no tokens and ``prefilling`` true. Returns per request the committed tokens, counts and
         finish reason, plus why a block was dropped (if it was); and the round's timing:
         ``wait_s`` (waiting for blocks), ``compute_s`` (prefill, forward and verification),
         ``prefill_s`` (of requests new here), ``service_s``.
@@ -116,11 +120,6 @@ class TargetWorker:
         for item in fresh:
             state = RequestState.from_spec(item, self.vocab_size, self.eos_token_ids)
             self.requests[state.request_id] = state
-        prefill_started = time.perf_counter()
-        if fresh:
-            self.core.prefill(
-                [self._replay_view(self.requests[item["request_id"]]) for item in fresh]
-            )
         states = [self.requests[item["request_id"]] for item in round_spec]
         for item, state in zip(round_spec, states, strict=True):
             if item["num_committed"] != len(state.output_token_ids):
@@ -128,7 +127,21 @@ class TargetWorker:
                     f"request {state.request_id} is at {len(state.output_token_ids)} committed "
                     f"tokens here, the caller says {item['num_committed']}"
                 )
-        keys = [(item["request_id"], item["step"]) for item in round_spec if item["expect_draft"]]
+        prefill_started = time.perf_counter()
+        unready = [state for state in states if self._uncached(state)]
+        if unready:
+            until = {
+                item["request_id"]: item["prefill_until"]
+                for item in round_spec
+                if "prefill_until" in item
+            }
+            self.core.prefill([self._replay_view(state) for state in unready], until)
+        prefilling = {state.request_id for state in unready if self._uncached(state)}
+        keys = [
+            (item["request_id"], item["step"])
+            for item in round_spec
+            if item["expect_draft"] and item["request_id"] not in prefilling
+        ]
         waited = time.perf_counter()
         prefill_s = waited - prefill_started
         arrived = self.inbox.take(keys, time.monotonic() + draft_deadline_s) if keys else {}
@@ -147,10 +160,21 @@ class TargetWorker:
             if key not in arrived:
                 dropped[key[0]] = "deadline: no block arrived in time"
         forward_before = self.core.forward_s
-        committed = self.core.verify_round(states, blocks)
+        ready = [state for state in states if state.request_id not in prefilling]
+        committed = dict(
+            zip(
+                [state.request_id for state in ready],
+                self.core.verify_round(ready, blocks) if ready else [],
+                strict=True,
+            )
+        )
         forward_s = self.core.forward_s - forward_before
         results = []
-        for item, state, tokens in zip(round_spec, states, committed, strict=True):
+        for item, state in zip(round_spec, states, strict=True):
+            if state.request_id in prefilling:  # a chunk of its prompt only: nothing to commit
+                results.append(prefilling_result(state.request_id))
+                continue
+            tokens = committed[state.request_id]
             num_draft = len(blocks.get(state.request_id, ([],))[0])
             reply = self.inbox.reply_to((state.request_id, item["step"]))
             if reply is not None:
@@ -194,6 +218,14 @@ class TargetWorker:
             features_to_pb(verdict, features[start:], start)
             self.feature_rows_sent += len(features) - start
             self.feature_bytes_sent += len(verdict.target_features.data)
+
+    def _uncached(self, state: RequestState) -> bool:
+        """Does the cache lack part of the request's context (its prompt and committed output
+        but the pending token)? True for a request new here, or one mid-way through a chunked
+        prefill."""
+        context = len(state.prompt_token_ids) + len(state.output_token_ids) - 1
+        runner = self.core.runner
+        return (runner.length(state.request_id) if state.request_id in runner else 0) < context
 
     @staticmethod
     def _replay_view(state: RequestState) -> RequestState:

@@ -7,9 +7,12 @@ clock (:mod:`specray.sim`). Items and replies are plain data (they cross Ray as 
 Target verify item (one per request of a micro-batch):
     request_id, step, num_committed, expect_draft
     + prompt_token_ids, params, seed, output_token_ids when the target has not seen the request
+    + prefill_until (chunked prefill): cache at most this many of the request's context tokens
+      (prompt and committed output but the pending token) this call
 Target verify reply:
     results: per item {request_id, token_ids, num_draft_tokens, num_accepted, finish_reason,
-             dropped_reason}
+             dropped_reason}, + prefilling: true (and no tokens) for a request whose context
+             is not all cached yet
     wait_s (waited for draft blocks: the pipeline bubble), compute_s (forward + verification),
     service_s (time inside the call)
 
@@ -24,6 +27,19 @@ Draft propose reply:
 from __future__ import annotations
 
 from typing import Protocol
+
+
+def prefilling_result(request_id: str) -> dict:
+    """A verify result for a request that only prefilled part of its context this call."""
+    return {
+        "request_id": request_id,
+        "token_ids": [],
+        "num_draft_tokens": 0,
+        "num_accepted": 0,
+        "finish_reason": None,
+        "dropped_reason": "",
+        "prefilling": True,
+    }
 
 
 class TargetBackend(Protocol):

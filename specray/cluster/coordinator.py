@@ -45,6 +45,7 @@ from specray.cluster.policy import (
     choose_batch_k,
     choose_k,
     predicted_tokens_per_s,
+    prefill_chunks,
     should_draft_ahead,
     should_probe,
 )
@@ -87,6 +88,13 @@ class CoordinatorConfig:
     # it, from the committed tokens, always); 0: always
     draft_ahead_min_hit: float = 0.5
     draft_deadline_s: float = 5.0  # the target waits this long for a block, then goes alone
+    # Chunked prefill: per micro-batch round, the target prefills at most this many prompt
+    # tokens of requests new to it, first come first served, beside the others' decoding, so a
+    # long prompt stalls the running requests for one chunk a round instead of its whole
+    # prefill. 0 (default): every prompt whole in its first round. A budget delays new
+    # requests (time to first token) and, when many prompts arrive at once, throughput: set
+    # it when prompts are long next to what a round decodes.
+    max_prefill_tokens_per_round: int = 0
     # A request with a seed drafts a fixed block every round after its first (the most it
     # may: num_speculative_tokens, its own cap, its tokens left - 1), whatever the load or the
     # policy, so its tokens depend on its seed alone, as target-only decoding's do. (A draft
@@ -112,6 +120,7 @@ class CoordinatorConfig:
         integer("max_queue", 0)
         integer("num_micro_batches", 1, 16)
         integer("num_speculative_tokens", 0, MAX_SPEC_LEN)
+        integer("max_prefill_tokens_per_round", 0)
         for name in ("adaptive_k", "draft_ahead", "reproducible_seeds"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -143,7 +152,9 @@ class _Request:
     batch_index: int = 0  # the micro-batch it joined (its draft worker group)
     last_k: int = 0  # the k of its latest round
     last_drafted_step: int = 0  # its step when it last drafted (0: never)
-    target_knows: bool = False
+    target_knows: bool = False  # the target has its spec
+    target_prefilled: int = 0  # context tokens the target has cached (chunked prefill)
+    target_ready: bool = False  # its whole context is cached: it decodes
     draft_known: int | None = None  # committed tokens the draft worker has seen (None: unseen)
     draft_ready: bool = False  # the draft worker holds its state (prefill done)
     draft_prefill: asyncio.Future | None = None  # the prefill call in flight, if any
@@ -170,6 +181,7 @@ class CoordinatorStats:
     target_prefill_s: float = 0.0  # prompt processing of requests new to the target
     target_forward_s: float = 0.0  # verification forwards alone (busy minus rules, prefill)
     target_prefill_tokens: int = 0
+    prefill_chunks: int = 0  # request-rounds that only prefilled part of a prompt (chunked)
     draft_prefill_s: float = 0.0  # the same on draft workers (a separate call)
     draft_prefill_tokens: int = 0
 
@@ -634,6 +646,8 @@ class Coordinator:
         # (a fixed-k request is taken on by the draft worker in its first propose call)
         if cap <= 0 or self.drafts is None or not (request.draft_ready or request.fixed_k):
             return 0
+        if not request.target_ready:  # its first round prefills it on the target: k = 0
+            return 0
         return cap if self.drafts.available(request.draft_worker) else 0
 
     def _choose_ks(self, index: int, requests: list[_Request]) -> list[int]:
@@ -641,10 +655,7 @@ class Coordinator:
         round after its first (that one prefills it on the target: k = 0, whatever happens)."""
         caps = [self._cap(request) for request in requests]
         ks = self._policy_ks(index, requests, caps)
-        return [
-            (cap if r.target_knows else 0) if r.fixed_k else k
-            for r, cap, k in zip(requests, caps, ks, strict=True)
-        ]
+        return [cap if r.fixed_k else k for r, cap, k in zip(requests, caps, ks, strict=True)]
 
     def _policy_ks(self, index: int, requests: list[_Request], caps: list[int]) -> list[int]:
         """k per request: one block length for the batch (a round costs what its longest block
@@ -754,10 +765,33 @@ class Coordinator:
         single = total / self.costs.verify.seconds(max(total, 1), 1)
         return split > self.config.policy.min_gain * single
 
+    def _prefill_grants(self, batch: list[_Request]) -> dict[str, int]:
+        """request id -> context tokens the target is to have cached after this round, for
+        requests it has not prefilled yet (chunked: :func:`prefill_chunks`). Those left out
+        (the round's prefill budget spent) sit this round out."""
+        waiting = [r for r in batch if not r.target_ready]
+        if not waiting:
+            return {}
+        missing = [self._context(r) - r.target_prefilled for r in waiting]
+        grants = prefill_chunks(missing, self.config.max_prefill_tokens_per_round)
+        return {
+            r.state.request_id: r.target_prefilled + grant
+            for r, count, grant in zip(waiting, missing, grants, strict=True)
+            if grant or not count
+        }
+
+    @staticmethod
+    def _context(request: _Request) -> int:
+        """Tokens the target caches before decoding: the prompt (and any committed output, as
+        after a replay) but the pending token."""
+        state = request.state
+        return len(state.prompt_token_ids) + len(state.output_token_ids) - 1
+
     async def _round(self, index: int) -> None:
         batch = self._batches[index]
-        requests = list(batch)
-        self._start_draft_prefills(requests)
+        self._start_draft_prefills(list(batch))
+        grants = self._prefill_grants(batch)
+        requests = [r for r in batch if r.target_ready or r.state.request_id in grants]
         ks = self._choose_ks(index, requests)
         target_items, draft_items = [], {}
         for request, k in zip(requests, ks, strict=True):
@@ -774,7 +808,9 @@ class Coordinator:
             }
             if not request.target_knows:
                 item |= state.to_spec()
-                self.stats.target_prefill_tokens += len(state.prompt_token_ids) - 1
+            if state.request_id in grants:
+                item["prefill_until"] = grants[state.request_id]
+                self.stats.target_prefill_tokens += item["prefill_until"] - request.target_prefilled
             target_items.append(item)
             request.target_knows = True
             if k > 0:
@@ -790,9 +826,14 @@ class Coordinator:
         reply = await self.target.verify(target_items, self.config.draft_deadline_s)
         for key, future in proposals.items():  # replies arrive in the background
             future.add_done_callback(lambda f, key=key: self._proposal_done(f, *key))
-        self._record_round(requests, reply)
+        self._record_round(reply)
         finished = []
         for request, result in zip(requests, reply["results"], strict=True):
+            if result.get("prefilling"):  # a chunk of its prompt: nothing committed yet
+                request.target_prefilled = grants[request.state.request_id]
+                self.stats.prefill_chunks += 1
+                continue
+            request.target_ready = True
             self._commit(request, result)
             if request.state.finish_reason:
                 finished.append(request)
@@ -916,7 +957,7 @@ class Coordinator:
         self._background.add(replacement)
         replacement.add_done_callback(self._background.discard)
 
-    def _record_round(self, requests, reply) -> None:
+    def _record_round(self, reply) -> None:
         compute_s, wait_s = reply["compute_s"], reply["wait_s"]
         self.stats.rounds += 1
         self.stats.target_compute_s += compute_s
@@ -924,15 +965,17 @@ class Coordinator:
         self.metrics.labels(self.metrics.target_busy_seconds).inc(compute_s)
         self.metrics.labels(self.metrics.pipeline_bubble_seconds).inc(wait_s)
         self.metrics.labels(self.metrics.verify_latency).observe(compute_s)
-        widest = max(len(r["token_ids"]) + (r["num_draft_tokens"] - r["num_accepted"])
-                     for r in reply["results"])  # fmt: skip
+        verified = [r for r in reply["results"] if not r.get("prefilling")]
         # Prefill of requests new to the target is busy time, but not the cost of a round.
         prefill_s = reply.get("prefill_s", 0.0)
         self.stats.target_forward_s += reply.get("forward_s", 0.0)
-        verify_s = compute_s - prefill_s
         if prefill_s > 0:
             self.stats.target_prefill_s += prefill_s
-        self.costs.add_verify(len(requests), widest, verify_s, self.config.verify_prior)
+        if verified:  # (a round of prompt chunks only verifies nothing)
+            widest = max(len(r["token_ids"]) + (r["num_draft_tokens"] - r["num_accepted"])
+                         for r in verified)  # fmt: skip
+            verify_s = compute_s - prefill_s
+            self.costs.add_verify(len(verified), widest, verify_s, self.config.verify_prior)
         elapsed = self._loop.time() - self.stats.started_s
         if elapsed > 0:
             busy = min(self.stats.target_compute_s / elapsed, 1.0)

@@ -495,6 +495,23 @@ def should_probe(
     return rounds >= config.probe_every_rounds << min(failed, config.max_probe_backoff)
 
 
+def prefill_chunks(missing: Sequence[int], budget: int) -> list[int]:
+    """Context tokens each request still to be prefilled on the target may prefill this
+    round, in arrival order: first come, first served from ``budget`` tokens per round (0: no
+    limit, every prompt whole). A long prompt then takes several rounds instead of stalling
+    every decoding request behind it; a request granted 0 (budget spent) waits a round.
+    E.g. missing [300, 50, 200], budget 256 -> [256, 0, 0]; next round [44, 50, 162]."""
+    budget = _check("budget", budget, 0, integer=True)
+    left = math.inf if budget == 0 else budget
+    grants = []
+    for index, count in enumerate(missing):
+        count = _check(f"missing[{index}]", count, 0, integer=True)
+        grant = int(min(count, left))
+        grants.append(grant)
+        left -= grant
+    return grants
+
+
 class AcceptanceEstimator:
     """Running per-position acceptance for one request from decayed (reached, accepted) counts.
 

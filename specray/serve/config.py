@@ -40,6 +40,9 @@ class AppArgs(BaseModel):
     # Seeded requests draft a fixed block, so their tokens depend on the seed alone (see
     # CoordinatorConfig.reproducible_seeds)
     reproducible_seeds: bool = False
+    # Chunked prefill: prompt tokens the target prefills per round beside decoding (0: whole
+    # prompts; see CoordinatorConfig.max_prefill_tokens_per_round)
+    max_prefill_tokens_per_round: int = Field(0, ge=0)
     # Placement by node type (Ray custom resources) and CPU shares.
     draft_resource: str = "draft"
     target_resource: str = "target"
@@ -138,6 +141,7 @@ class AppArgs(BaseModel):
             draft_deadline_s=self.draft_deadline_s,
             adaptive_k=self.adaptive_k,
             reproducible_seeds=self.reproducible_seeds,
+            max_prefill_tokens_per_round=self.max_prefill_tokens_per_round,
         )
 
     def placement(self) -> PlacementConfig:

@@ -35,6 +35,7 @@ import asyncio
 import random
 from dataclasses import dataclass
 
+from specray.cluster.backends import prefilling_result
 from specray.sim.model import AcceptanceModel, LatencyModel
 
 SIM_TOKEN_ID = 1  # every committed token; never a stop token in the simulation
@@ -141,7 +142,9 @@ class SimInbox:
 class _TargetRequest:
     committed: int
     max_tokens: int
+    context: int  # tokens cached before decoding: prompt and committed output, less one
     trace: tuple[int, ...] | None = None  # replayed acceptance (AcceptanceModel.traces)
+    prefilled: int = 0  # of context (chunked prefill)
 
 
 class SimTargetBackend:
@@ -187,9 +190,17 @@ class SimTargetBackend:
             self._requests[item["request_id"]] = _TargetRequest(
                 committed,
                 int(item["params"]["max_tokens"]),
+                len(item["prompt_token_ids"]) + committed - 1,
                 None if index is None else self.acceptance.trace(index),
             )
-            prefill_tokens += len(item["prompt_token_ids"]) + committed
+        prefilling = set()
+        for item in items:  # as the real target: up to prefill_until, then verify if all done
+            state = self._requests[item["request_id"]]
+            until = min(item.get("prefill_until", state.context), state.context)
+            prefill_tokens += max(until - state.prefilled, 0)
+            state.prefilled = max(until, state.prefilled)
+            if state.prefilled < state.context:
+                prefilling.add(item["request_id"])
         prefill_s = prefill_tokens * self.latency.prefill_per_token_s
         await _sleep(prefill_s)
         states = [self._requests[item["request_id"]] for item in items]
@@ -199,7 +210,11 @@ class SimTargetBackend:
                     f"request {item['request_id']} is at {state.committed} committed tokens "
                     f"here, the caller says {item['num_committed']}"
                 )
-        keys = [(item["request_id"], item["step"]) for item in items if item["expect_draft"]]
+        keys = [
+            (item["request_id"], item["step"])
+            for item in items
+            if item["expect_draft"] and item["request_id"] not in prefilling
+        ]
         waited = _now()
         arrived = await self.inbox.take(keys, waited + draft_deadline_s) if keys else {}
         wait_s = _now() - waited
@@ -213,11 +228,16 @@ class SimTargetBackend:
             if (request_id, step) not in arrived:
                 dropped[request_id] = "deadline: no block arrived in time"
         widest = 1 + max(blocks.values(), default=0)
-        await _sleep(self.latency.verify.seconds(len(items), widest))
+        verifying = len(items) - len(prefilling)
+        if verifying:
+            await _sleep(self.latency.verify.seconds(verifying, widest))
         verdict_s = _now() + self.latency.rtt_s / 2
         results = []
         for item, state in zip(items, states, strict=True):
             request_id = item["request_id"]
+            if request_id in prefilling:
+                results.append(prefilling_result(request_id))
+                continue
             num_draft = blocks.get(request_id, 0)
             if state.trace is not None:  # replayed: the draft's run from here, its bonus guess
                 run = state.trace[state.committed] if state.committed < len(state.trace) else 0

@@ -291,3 +291,48 @@ def test_seeded_requests_reproduce_whatever_the_load_and_the_policy(tiny_backend
     assert target_only.metrics.num_draft_tokens == 0 < adaptive.metrics.num_draft_tokens
     assert adaptive.token_ids != target_only.token_ids, "negative control: schedules matter"
     assert _held(tiny_backend) == ([], [])
+
+
+def _chunked_run(backend, budget: int):
+    """A 50-token prompt joins two decoding requests; seeded sampling under reproducible_seeds
+    (tokens depend on the seed alone) and greedy, on the real workers."""
+    runner = _coordinator(
+        backend,
+        num_speculative_tokens=3,
+        num_micro_batches=1,
+        reproducible_seeds=True,
+        max_prefill_tokens_per_round=budget,
+        verify_prior=PIPELINED.verify_prior,
+        draft_prior=PIPELINED.draft_prior,
+    )
+    decoding = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=7)
+    long_prompt = [(3 * i + 1) % 5 for i in range(50)]
+    try:
+        running = [runner.submit([1, 2], decoding, request_id=f"d{i}") for i in range(2)]
+        next(iter(running[0]))  # decoding before the long prompt arrives
+        sampled = runner.submit(
+            long_prompt, SamplingParams(temperature=1.0, max_tokens=12, seed=3), request_id="s"
+        )
+        greedy = runner.submit(
+            long_prompt[::-1], SamplingParams(temperature=0.0, max_tokens=12), request_id="g"
+        )
+        outputs = [sampled.result(), greedy.result(), *(stream.result() for stream in running)]
+        stats = runner.coordinator.stats
+    finally:
+        runner.stop()
+    return outputs, stats.target_prefill_tokens, stats.prefill_chunks
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny_backend):
+    """Two 50-token prompts prefilled 8 tokens a round (shared: 13 rounds) beside decoding
+    requests give the tokens they give prefilled whole: seeded sampling, greedy, and the
+    decoding requests' own; every prompt token is prefilled exactly once either way."""
+    chunked, chunked_prefill, chunks = _chunked_run(tiny_backend, budget=8)
+    whole, whole_prefill, no_chunks = _chunked_run(tiny_backend, budget=0)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
+    assert chunked_prefill == whole_prefill == 2 * 49 + 2 * 1
+    # 98 tokens, 8 a round: 12 rounds end mid-prompt (the first prompt's 6, the second's 6
+    # while it waits or goes on: a request-round each), none when prompts go whole.
+    assert chunks >= 12 and no_chunks == 0
+    assert chunked[0].metrics.num_draft_tokens > 0, "it speculated after its prefill"
+    assert _held(tiny_backend) == ([], [])
