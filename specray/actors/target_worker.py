@@ -128,7 +128,8 @@ class TargetWorker:
                     f"tokens here, the caller says {item['num_committed']}"
                 )
         prefill_started = time.perf_counter()
-        unready = [state for state in states if self._uncached(state)]
+        new_here = {item["request_id"] for item in fresh}  # (even with nothing to cache)
+        unready = [s for s in states if s.request_id in new_here or self._uncached(s)]
         if unready:
             until = {
                 item["request_id"]: item["prefill_until"]
