@@ -336,3 +336,27 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_backend):
     assert chunks >= 12 and no_chunks == 0
     assert chunked[0].metrics.num_draft_tokens > 0, "it speculated after its prefill"
     assert _held(tiny_backend) == ([], [])
+
+
+def test_cancel_mid_chunked_prefill_releases_worker_state(tiny_backend):
+    """A 400-token prompt prefilled 2 tokens a round (200 rounds) is cancelled while the
+    target holds part of it: the target and the draft worker free it; a request decoding
+    beside it finishes."""
+    runner = _coordinator(tiny_backend, num_micro_batches=1, max_prefill_tokens_per_round=2)
+    decoding = SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=4)
+    try:
+        survivor = runner.submit([1, 2], decoding, request_id="keep-me")
+        long = runner.submit([1, 2, 3, 4] * 100, decoding, request_id="long")
+        request = runner.coordinator._requests["long"]
+        deadline = time.monotonic() + 10
+        while not request.target_prefilled and time.monotonic() < deadline:
+            time.sleep(0.005)  # until the target has cached a first chunk
+        assert "long" in _held(tiny_backend)[0]
+        assert request.target_prefilled < 399 and not request.target_ready, "mid-prefill"
+        runner.abort("long")
+        with pytest.raises(RequestCancelledError):
+            long.result()
+        assert len(survivor.result().token_ids) == 60
+    finally:
+        runner.stop()
+    assert _held(tiny_backend) == ([], [])
