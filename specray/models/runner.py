@@ -38,22 +38,29 @@ GROUPED_SDPA = "specray_grouped_sdpa"
 
 def _grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     """transformers' "sdpa", except that with a mask, grouped-query KV heads go to SDPA as
-    they are (``enable_gqa``) instead of being copied once per query head: over the runner's
-    strided cache views that copy cost up to 10x the attention itself on CPU (where a masked
-    grouped kernel exists; transformers copies to suit CUDA's kernels)."""
-    grouped = attention_mask is not None and query.shape[1] != key.shape[1]
+    they are instead of being copied once per query head: over the runner's strided cache
+    views that copy cost up to 10x the attention itself on CPU (transformers copies to suit
+    CUDA's kernels). Several new tokens per row (a verification) are packed: the G query heads
+    sharing a KV head become G x width queries of it, so each KV head is read once, not G
+    times (1.4x faster attention at 16 rows x 1024 slots x 5 tokens here); one new token goes
+    through SDPA's ``enable_gqa``."""
+    batch, heads, width, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = attention_mask is not None and heads != kv_heads
     if not grouped or kwargs.get("position_bias") is not None or kwargs.get("softcap"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=kwargs.get("dropout", 0.0),
-        scale=kwargs.get("scaling"),
-        enable_gqa=True,
-    )  # [batch, heads, width, dim]
-    return output.transpose(1, 2).contiguous(), None
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    options = {"dropout_p": kwargs.get("dropout", 0.0), "scale": kwargs.get("scaling")}
+    if width == 1:
+        output = sdpa(query, key, value, attn_mask=attention_mask, enable_gqa=True, **options)
+    else:
+        groups = heads // kv_heads  # query head h reads KV head h // groups
+        packed = query.reshape(batch, kv_heads, groups * width, dim)  # (g, j) -> g * width + j
+        mask = attention_mask.unsqueeze(2).expand(-1, -1, groups, -1, -1)  # [b, 1, g, w, slots]
+        mask = mask.reshape(attention_mask.shape[0], 1, groups * width, -1)
+        output = sdpa(packed, key, value, attn_mask=mask, **options)  # [b, kv, g * w, dim]
+        output = output.reshape(batch, heads, width, dim)
+    return output.transpose(1, 2).contiguous(), None  # [batch, width, heads, dim]
 
 
 AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
