@@ -154,32 +154,41 @@ class TargetCore:
         self.keep_features = keep_features
         self.hidden_size = int(runner.model.config.hidden_size) if keep_features else 0
         self._features: dict[Hashable, FeatureRows] = {}  # h of committed cached positions
+        self.prefilling: set[Hashable] = set()  # requests whose cache stops short of the prompt
         self.forward_s = 0.0  # seconds in verification forwards (the rest of a round is rules)
 
     def prefill(
         self, requests: Sequence[RequestState], until: Mapping[Hashable, int] | None = None
-    ) -> None:
+    ) -> set[Hashable]:
         """Cache each prompt except its last token (the first pending token), going on from
         what is cached already; with ``until``, only up to that many of a request's tokens
         (chunked prefill: a long prompt over several rounds, beside other requests' decoding).
+        Returns the requests whose cache still stops short (also kept in ``prefilling``).
         """
-        feeds, starts = {}, {}
+        feeds, starts, short = {}, {}, set()
         for request in requests:
             seq_id = request.request_id
             cached = self.runner.length(seq_id) if seq_id in self.runner else 0
-            end = len(request.prompt_token_ids) - 1
-            if until is not None and seq_id in until:
-                end = min(end, until[seq_id])
+            full = len(request.prompt_token_ids) - 1
+            end = min(full, until[seq_id]) if until is not None and seq_id in until else full
             if end > cached:
                 feeds[seq_id], starts[seq_id] = request.prompt_token_ids[cached:end], cached
+            if max(cached, end) < full:
+                short.add(seq_id)
+        self.prefilling.difference_update(request.request_id for request in requests)
+        self.prefilling |= short
         if not self.keep_features:
             self.runner.forward(feeds, {})
-            return
+            return short
         _, hidden = self.runner.forward(feeds, {}, num_hidden={k: len(v) for k, v in feeds.items()})
         for request in requests:
-            store = self._features.setdefault(request.request_id, FeatureRows(self.hidden_size))
+            if request.request_id not in self._features:
+                self._features[request.request_id] = FeatureRows(self.hidden_size)
             if request.request_id in hidden:
-                store.write(starts[request.request_id], hidden[request.request_id])
+                self._features[request.request_id].write(
+                    starts[request.request_id], hidden[request.request_id]
+                )
+        return short
 
     def target_features(self, request_id: Hashable) -> torch.Tensor:
         """h_0 .. h_{T-2} of a request with T committed tokens: ``[T - 1, hidden]`` (a view)."""
@@ -187,6 +196,7 @@ class TargetCore:
 
     def release(self, request_ids: Sequence[Hashable]) -> None:
         self.runner.remove(request_ids)
+        self.prefilling.difference_update(request_ids)
         for request_id in request_ids:
             self._features.pop(request_id, None)
 

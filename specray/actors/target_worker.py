@@ -129,15 +129,17 @@ class TargetWorker:
                 )
         prefill_started = time.perf_counter()
         new_here = {item["request_id"] for item in fresh}  # (even with nothing to cache)
-        unready = [s for s in states if s.request_id in new_here or self._uncached(s)]
+        unready = [
+            s for s in states if s.request_id in new_here or s.request_id in self.core.prefilling
+        ]
+        prefilling = set()  # cached short of their context after this round's prefill
         if unready:
             until = {
                 item["request_id"]: item["prefill_until"]
                 for item in round_spec
                 if "prefill_until" in item
             }
-            self.core.prefill([self._replay_view(state) for state in unready], until)
-        prefilling = {state.request_id for state in unready if self._uncached(state)}
+            prefilling = self.core.prefill([self._replay_view(s) for s in unready], until)
         keys = [
             (item["request_id"], item["step"])
             for item in round_spec
@@ -219,14 +221,6 @@ class TargetWorker:
             features_to_pb(verdict, features[start:], start)
             self.feature_rows_sent += len(features) - start
             self.feature_bytes_sent += len(verdict.target_features.data)
-
-    def _uncached(self, state: RequestState) -> bool:
-        """Does the cache lack part of the request's context (its prompt and committed output
-        but the pending token)? True for a request new here, or one mid-way through a chunked
-        prefill."""
-        context = len(state.prompt_token_ids) + len(state.output_token_ids) - 1
-        runner = self.core.runner
-        return (runner.length(state.request_id) if state.request_id in runner else 0) < context
 
     @staticmethod
     def _replay_view(state: RequestState) -> RequestState:

@@ -643,10 +643,10 @@ class Coordinator:
     def _cap(self, request: _Request) -> int:
         """The largest k this request can take this round (0: it cannot speculate)."""
         cap = min(request.max_k, request.state.remaining - 1)
-        # (a fixed-k request is taken on by the draft worker in its first propose call)
-        if cap <= 0 or self.drafts is None or not (request.draft_ready or request.fixed_k):
-            return 0
-        if not request.target_ready:  # its first round prefills it on the target: k = 0
+        # Not before the target holds its whole context (its first round prefills it: k = 0);
+        # a fixed-k request is taken on by the draft worker in its first propose call.
+        drafter_has_it = request.draft_ready or request.fixed_k
+        if cap <= 0 or self.drafts is None or not request.target_ready or not drafter_has_it:
             return 0
         return cap if self.drafts.available(request.draft_worker) else 0
 

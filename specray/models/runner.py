@@ -94,6 +94,7 @@ class ModelRunner:
             owner = model if hasattr(model, "set_attn_implementation") else model.get_decoder()
             owner.set_attn_implementation(GROUPED_SDPA)
         self._windows = _windows(config)
+        self._mask_by_layer_type = config.model_type in MASK_BY_LAYER_TYPE
         head = model.get_output_embeddings()
         # A reduced-vocabulary head (a distilled draft) reports the full size as out_features.
         self.vocab_size = int(getattr(head, "out_features", head.weight.shape[0]))
@@ -216,20 +217,21 @@ class ModelRunner:
         fresh = [seq_id for seq_id in new_token_ids if seq_id not in self.seq_ids]
         self.seq_ids.extend(fresh)
         self.lengths.extend([0] * len(fresh))
-        running = [seq_id for seq_id in self.seq_ids if counts.get(seq_id)]  # in row order
-        if not running:
+        rows = [row for row, seq_id in enumerate(self.seq_ids) if counts.get(seq_id)]
+        if not rows:
             return {}, hidden
+        running = [self.seq_ids[row] for row in rows]
         width = max(counts[seq_id] for seq_id in running)
         # Only the rows fed in this call run (a micro-batch, or a prefill beside decoding
         # requests), and as one block of rows: attention then reads a view of their cache.
         if self.cache is None:
             self.cache = SlotCache()
-        lengths = {seq_id: self.lengths[row] for row, seq_id in enumerate(self.seq_ids)}
-        end = max(lengths[seq_id] for seq_id in running) + width  # slots attended over
+        lengths = [self.lengths[row] for row in rows]
+        end = max(lengths) + width  # slots attended over
         self.cache.reserve(len(self.seq_ids), end, len(self.seq_ids), self.num_slots)
-        first = self._place_together(running)
+        first = self._place_together(rows)
         batch = len(running)
-        starts = torch.tensor([lengths[seq_id] for seq_id in running])  # [batch]
+        starts = torch.tensor(lengths)  # [batch]
         positions = starts[:, None] + torch.arange(width)  # [batch, width]: slot = position
         input_ids = torch.zeros(batch, width, dtype=torch.int64)  # [batch, width], 0 = padding
         feature_batch = None  # [batch, width, feature_size], zeros where padding
@@ -264,12 +266,11 @@ class ModelRunner:
         parts = logits.split(sizes)
         return {seq_id: part for (seq_id, *_), part in zip(wanted, parts, strict=True)}, hidden
 
-    def _place_together(self, running: list[Hashable]) -> int:
-        """Order the rows so that ``running`` (in row order) is one block; return its first
-        row. Already one block: nothing moves. Otherwise the block goes first and the other
-        rows after it in their order, so two micro-batches alternating stay two blocks (one
-        copy when a request joins one, none per step)."""
-        rows = [self.seq_ids.index(seq_id) for seq_id in running]
+    def _place_together(self, rows: list[int]) -> int:
+        """Order the rows so that ``rows`` (ascending) are one block; return its first row.
+        Already one block: nothing moves. Otherwise the block goes first and the other rows
+        after it in their order, so two micro-batches alternating stay two blocks (one copy
+        when a request joins one, none per step)."""
         if rows[-1] - rows[0] + 1 == len(rows):
             return rows[0]
         chosen = set(rows)
@@ -290,8 +291,7 @@ class ModelRunner:
             kind: causal if window is None else causal & (slots > query - window)
             for kind, window in self._windows.items()
         }
-        by_type = self.model.config.model_type in MASK_BY_LAYER_TYPE
-        return masks if by_type else masks["full_attention"]
+        return masks if self._mask_by_layer_type else masks["full_attention"]
 
     def _run(self, input_ids, positions, masks, feature_batch, cache):
         if feature_batch is not None:  # the model mixes each token's feature into its input
