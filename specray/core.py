@@ -24,6 +24,7 @@ import torch
 from specray.feature_rows import FeatureRows
 from specray.models.runner import ModelRunner
 from specray.outputs import RequestOutput, SpecDecodeMetrics
+from specray.protocol import RequestSpec
 from specray.sampling import (
     KeyedRandom,
     LogitsPipeline,
@@ -32,6 +33,7 @@ from specray.sampling import (
     verify_batch,
     verify_batch_greedy,
 )
+from specray.target_rounds import prefill_span
 
 
 @dataclass
@@ -68,30 +70,30 @@ class RequestState:
         )
 
     @staticmethod
-    def from_spec(spec: dict, vocab_size: int, eos_token_ids: frozenset[int]) -> RequestState:
-        """Rebuild a request from a round spec (see :meth:`to_spec`) on a worker."""
+    def from_spec(
+        spec: RequestSpec, vocab_size: int, eos_token_ids: frozenset[int]
+    ) -> RequestState:
+        """Rebuild a request on a worker from its spec (see :meth:`to_spec`)."""
         state = RequestState.create(
-            spec["request_id"],
-            list(spec["prompt_token_ids"]),
-            SamplingParams.from_dict(spec["params"]),
-            spec["seed"],
+            spec.request_id,
+            list(spec.prompt_token_ids),
+            spec.params,
+            spec.seed,
             vocab_size,
             eos_token_ids,
         )
-        state.output_token_ids = list(spec.get("output_token_ids", ()))
+        state.output_token_ids = list(spec.output_token_ids)
         return state
 
-    def to_spec(self) -> dict:
-        """What a worker needs to rebuild this request: plain data, no tensors."""
-        params = dict(self.params.__dict__)
-        params["logit_bias"] = dict(self.params.logit_bias)
-        return {
-            "request_id": self.request_id,
-            "prompt_token_ids": self.prompt_token_ids,
-            "params": params,
-            "seed": self.random.seed,
-            "output_token_ids": self.output_token_ids,
-        }
+    def to_spec(self, *, with_output: bool = True) -> RequestSpec:
+        """What a worker needs to hold this request (its committed output unless told not)."""
+        return RequestSpec(
+            self.request_id,
+            tuple(self.prompt_token_ids),
+            self.params,
+            self.random.seed,
+            tuple(self.output_token_ids) if with_output else (),
+        )
 
     def to_output(self, tokenizer=None, **timing) -> RequestOutput:
         """The caller's view of this request; ``timing``: the served latency fields."""
@@ -158,7 +160,7 @@ class TargetCore:
         self.forward_s = 0.0  # seconds in verification forwards (the rest of a round is rules)
 
     def prefill(
-        self, requests: Sequence[RequestState], until: Mapping[Hashable, int] | None = None
+        self, requests: Sequence[RequestState], until: Mapping[Hashable, int | None] | None = None
     ) -> set[Hashable]:
         """Cache each prompt except its last token (the first pending token), going on from
         what is cached already; with ``until``, only up to that many of a request's tokens
@@ -169,11 +171,11 @@ class TargetCore:
         for request in requests:
             seq_id = request.request_id
             cached = self.runner.length(seq_id) if seq_id in self.runner else 0
-            full = len(request.prompt_token_ids) - 1
-            end = min(full, until[seq_id]) if until is not None and seq_id in until else full
+            grant = until.get(seq_id) if until is not None else None
+            end, still_short = prefill_span(cached, len(request.prompt_token_ids) - 1, grant)
             if end > cached:
                 feeds[seq_id], starts[seq_id] = request.prompt_token_ids[cached:end], cached
-            if max(cached, end) < full:
+            if still_short:
                 short.add(seq_id)
         self.prefilling.difference_update(request.request_id for request in requests)
         self.prefilling |= short

@@ -11,8 +11,19 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from collections.abc import Sequence
 
 from specray.cluster.placement import PlacementConfig
+from specray.protocol import (
+    DraftItem,
+    PrefillReport,
+    ProposeCall,
+    ProposeReport,
+    RoundReport,
+    VerifyRound,
+    decode,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 DEFAULT_DRAFT_DEADLINE_S = 5.0  # how long the target waits for a block before going alone
@@ -255,8 +266,8 @@ class RayTargetBackend:
     def __init__(self, leader):
         self.leader = leader  # rank 0's actor handle
 
-    async def verify(self, items: list[dict], draft_deadline_s: float) -> dict:
-        return await self.leader.verify_round.remote(items, draft_deadline_s)
+    async def verify(self, round_: VerifyRound) -> RoundReport:
+        return decode(await self.leader.verify_wire.remote(encode(round_)), RoundReport)
 
     async def release(self, request_ids: list[str]) -> None:
         await self.leader.release.remote(request_ids)
@@ -266,6 +277,17 @@ class RayTargetBackend:
 
     async def held_requests(self) -> list[str]:
         return await self.leader.held_requests.remote()
+
+
+async def prefill_remote(actor, items: Sequence[DraftItem]) -> PrefillReport:
+    """A DraftWorker actor's prefill, over the protocol's wire form."""
+    call = ProposeCall(tuple(items), draft_ahead=False)
+    return decode(await actor.prefill_wire.remote(encode(call)), PrefillReport)
+
+
+async def propose_remote(actor, call: ProposeCall) -> ProposeReport:
+    """A DraftWorker actor's propose, over the protocol's wire form."""
+    return decode(await actor.propose_wire.remote(encode(call)), ProposeReport)
 
 
 class RayDraftBackend:
@@ -278,11 +300,11 @@ class RayDraftBackend:
     def available(self, worker: int) -> bool:
         return self.backend.draft_available(worker)
 
-    async def prefill(self, worker: int, items: list[dict]) -> dict:
-        return await self.backend.drafts[worker].prefill.remote(items)
+    async def prefill(self, worker: int, items: Sequence[DraftItem]) -> PrefillReport:
+        return await prefill_remote(self.backend.drafts[worker], items)
 
-    async def propose(self, worker: int, items: list[dict], draft_ahead: bool) -> dict:
-        return await self.backend.drafts[worker].propose.remote(items, draft_ahead)
+    async def propose(self, worker: int, call: ProposeCall) -> ProposeReport:
+        return await propose_remote(self.backend.drafts[worker], call)
 
     async def release(self, worker: int, request_ids: list[str]) -> None:
         await self.backend.drafts[worker].release.remote(request_ids)

@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -28,6 +29,14 @@ from specray.drafters import DraftRequest, FeatureDrafter, make_drafter
 from specray.feature_rows import FeatureRows
 from specray.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model_dir
 from specray.models.runner import ModelRunner
+from specray.protocol import (
+    DraftItem,
+    PrefillReport,
+    ProposeCall,
+    ProposeReport,
+    decode,
+    encode,
+)
 from specray.rpc.faults import LinkFaults
 from specray.rpc.messages import (
     InvalidMessageError,
@@ -195,17 +204,26 @@ class DraftWorker:
         self.link_faults = LinkFaults(delay_s, drop_fraction, seed)
 
     # ---- drafting ----------------------------------------------------------------------
-    def propose(self, round_spec: list[dict], draft_ahead: bool = False) -> dict:
+    def propose_wire(self, payload: bytes) -> bytes:
+        """:meth:`propose` for an encoded :class:`ProposeCall` (the Ray entry point)."""
+        return encode(self.propose(decode(payload, ProposeCall)))
+
+    def prefill_wire(self, payload: bytes) -> bytes:
+        """:meth:`prefill` for an encoded :class:`ProposeCall` (the Ray entry point)."""
+        return encode(self.prefill(decode(payload, ProposeCall).items))
+
+    def propose(self, call: ProposeCall) -> ProposeReport:
         """Draft for each request and stream the blocks to the target.
 
-        Each item: ``request_id``, ``step``, ``k``, ``num_committed`` and ``new_token_ids``
-        (committed tokens this worker has not seen; all of them on first sight, with
-        ``prompt_token_ids``, ``params``, ``seed``). With ``draft_ahead``, after sending, the
+        Each item names the step and its block length ``k``, and brings the committed tokens
+        this worker has not seen (all of them, with the request's spec, on first sight). With
+        ``call.draft_ahead``, after sending, the
         worker keeps drafting past each block (as if it were fully accepted and the bonus token
         were its own next draft) until the verdict arrives, then from the tokens the verdict
         committed up to a next block of k, while no other call is waiting. The next call keeps
         the drafts whose assumed history was committed.
         """
+        round_spec = call.items
         with self._turn():
             started = time.perf_counter()
             if self._outbox is None:
@@ -214,13 +232,13 @@ class DraftWorker:
             if self.feature_drafter is not None:
                 self._await_features(states)
             reused = [len(self._reusable(state)) for state in states]  # before extending
-            steps = self._extend(states, [item["k"] for item in round_spec])
+            steps = self._extend(states, [item.k for item in round_spec])
             sent_bytes = 0
             for item, state in zip(round_spec, states, strict=True):
-                block = self.speculated[state.request_id][: item["k"]]
+                block = self.speculated[state.request_id][: item.k]
                 message = block_to_pb(
                     state.request_id,
-                    item["step"],
+                    item.step,
                     len(state.output_token_ids),
                     [entry.token_id for entry in block],
                     stack_rows([entry.encoded for entry in block]) if block else None,
@@ -230,39 +248,39 @@ class DraftWorker:
                 if fate is None:
                     self.blocks_dropped_by_faults += 1
                     continue
-                self._sent_step[state.request_id] = item["step"]
+                self._sent_step[state.request_id] = item.step
                 sent_bytes += message.ByteSize()
                 if fate:
                     threading.Timer(fate, self._outbox.put, (message,)).start()
                 else:
                     self._outbox.put(message)
             ahead = 0
-            if draft_ahead:
+            if call.draft_ahead:
                 ahead, ahead_steps = self._draft_ahead(round_spec, states)
                 steps += ahead_steps
             self.bytes_sent += sent_bytes
-            return {
-                "num_requests": len(states),
-                "bytes": sent_bytes,
-                "draft_s": time.perf_counter() - started - self._idle_s,  # drafting only
-                "steps": steps,
-                "reused_tokens": sum(
-                    min(count, item["k"]) for count, item in zip(reused, round_spec, strict=True)
+            return ProposeReport(
+                num_requests=len(states),
+                bytes=sent_bytes,
+                draft_s=time.perf_counter() - started - self._idle_s,  # drafting only
+                steps=steps,
+                reused_tokens=sum(
+                    min(count, item.k) for count, item in zip(reused, round_spec, strict=True)
                 ),
-                "ahead_tokens": ahead,
-            }
+                ahead_tokens=ahead,
+            )
 
-    def prefill(self, round_spec: list[dict]) -> dict:
+    def prefill(self, items: Sequence[DraftItem]) -> PrefillReport:
         """Take on new requests: their state and the draft's KV cache of their committed tokens
         (items as for :meth:`propose`, ``k`` unused). The coordinator runs them target-only
         meanwhile, so a slow draft prefill never holds the target up."""
         with self._turn():
             started = time.perf_counter()
-            states = [self._sync_state(item) for item in round_spec]
+            states = [self._sync_state(item) for item in items]
             prefill = getattr(self.drafter, "prefill", None)
             if prefill is not None:
                 prefill([self._draft_request(state, 1) for state in states], self._prefill_source)
-            return {"num_requests": len(states), "draft_s": time.perf_counter() - started}
+            return PrefillReport(len(states), time.perf_counter() - started)
 
     @contextlib.contextmanager
     def _turn(self):
@@ -310,19 +328,17 @@ class DraftWorker:
     def _num_tokens(state: RequestState) -> int:
         return len(state.prompt_token_ids) + len(state.output_token_ids)
 
-    def _sync_state(self, item: dict) -> RequestState:
-        state = self.requests.get(item["request_id"])
-        if state is not None and "prompt_token_ids" in item:
+    def _sync_state(self, item: DraftItem) -> RequestState:
+        state = self.requests.get(item.request_id)
+        if state is not None and item.spec is not None:
             # First contact again (the coordinator gave up on this worker once, and came
             # back): what is held here is stale; start over from the item.
-            self._forget([item["request_id"]])
+            self._forget([item.request_id])
             state = None
         if state is None:
-            if "prompt_token_ids" not in item:
-                raise ValueError(f"draft worker has no state for request {item['request_id']}")
-            state = RequestState.from_spec(
-                item | {"output_token_ids": []}, self.vocab_size, frozenset()
-            )
+            if item.spec is None:
+                raise ValueError(f"draft worker has no state for request {item.request_id}")
+            state = RequestState.from_spec(item.spec, self.vocab_size, frozenset())
             self.requests[state.request_id] = state
             self.speculated[state.request_id] = []
             self._spec_base[state.request_id] = 0
@@ -331,11 +347,11 @@ class DraftWorker:
                     self._features[state.request_id] = FeatureRows(
                         self.feature_drafter.feature_size
                     )
-        state.output_token_ids.extend(item["new_token_ids"])
-        if len(state.output_token_ids) != item["num_committed"]:
+        state.output_token_ids.extend(item.new_token_ids)
+        if len(state.output_token_ids) != item.num_committed:
             raise ValueError(
                 f"request {state.request_id}: the draft has {len(state.output_token_ids)} "
-                f"committed tokens, the coordinator says {item['num_committed']}"
+                f"committed tokens, the coordinator says {item.num_committed}"
             )
         return state
 
@@ -376,7 +392,9 @@ class DraftWorker:
                     targets[states.index(state)] = len(self.speculated[state.request_id])
             steps += max(missing for _, missing in asks)
 
-    def _draft_ahead(self, round_spec: list[dict], states: list[RequestState]) -> tuple[int, int]:
+    def _draft_ahead(
+        self, round_spec: Sequence[DraftItem], states: list[RequestState]
+    ) -> tuple[int, int]:
         """Draft one token at a time past the blocks while nothing else is waiting: until the
         verdict, as if the block were fully accepted and the bonus token were the next draft;
         once the verdict is here, from the history it committed, up to a next full block (so
@@ -386,14 +404,14 @@ class DraftWorker:
         while not self._calls_waiting:
             open_ = []
             for item, state in zip(round_spec, states, strict=True):
-                request_id, limit = state.request_id, 2 * item["k"] + 1
-                if not item.get("ahead", True):  # before the verdict: not worth it (policy)
-                    limit = item["k"]
-                if self._verdict_step(request_id) >= item["step"]:
-                    folded = self._fold_verdict(state, item["step"])
+                request_id, limit = state.request_id, 2 * item.k + 1
+                if not item.ahead:  # before the verdict: not worth it (policy)
+                    limit = item.k
+                if self._verdict_step(request_id) >= item.step:
+                    folded = self._fold_verdict(state, item.step)
                     if folded is None:
                         continue
-                    limit = folded + item["k"]
+                    limit = folded + item.k
                 if len(self.speculated[request_id]) < limit:
                     open_.append(state)
             if not open_:
@@ -417,7 +435,7 @@ class DraftWorker:
             with self._features_ready:
                 while not self._calls_waiting:
                     due = any(
-                        self._verdict_step(state.request_id) < item["step"]
+                        self._verdict_step(state.request_id) < item.step
                         for item, state in zip(round_spec, states, strict=True)
                     )
                     remaining = deadline - time.monotonic()

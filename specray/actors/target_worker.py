@@ -16,14 +16,15 @@ from typing import ClassVar
 import ray
 import torch
 
-from specray.cluster.backends import prefilling_result
 from specray.core import RequestState, TargetCore, eos_token_ids
 from specray.models.loading import load_model
 from specray.models.runner import ModelRunner
 from specray.models.tp import apply_tp, init_process_group_cpu
+from specray.protocol import RoundReport, VerifyResult, VerifyRound, decode, encode
 from specray.rpc.inbox import BlockInbox
 from specray.rpc.messages import features_to_pb
 from specray.rpc.server import VerifierServicer, start_server
+from specray.target_rounds import TargetRounds
 from specray.v1 import speculation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,10 @@ class TargetWorker:
             self.core = TargetCore(runner, keep_features=keep_features)
             self.feature_rows_sent = 0
             self.feature_bytes_sent = 0
-            self.requests: dict[str, RequestState] = {}
+            self.rounds = TargetRounds(
+                lambda spec: RequestState.from_spec(spec, self.vocab_size, self.eos_token_ids),
+                lambda state: len(state.output_token_ids),
+            )
             self.inbox = BlockInbox()
             # Plaintext and unauthenticated (an internal port): bound to the cluster network
             # address only, never to every interface.
@@ -102,66 +106,38 @@ class TargetWorker:
         return follow(self.runner)
 
     # ---- leader (rank 0) ---------------------------------------------------------------
-    def verify_round(self, round_spec: list[dict], draft_deadline_s: float) -> dict:
+    def verify_wire(self, payload: bytes) -> bytes:
+        """:meth:`verify_round` for an encoded :class:`VerifyRound` (the Ray entry point)."""
+        return encode(self.verify_round(decode(payload, VerifyRound)))
+
+    def verify_round(self, round_: VerifyRound) -> RoundReport:
         """Run one round for the given requests; wait up to the deadline for their blocks.
 
-        Each item: ``request_id``, ``step``, ``num_committed``, ``expect_draft``, and on a
-        request's first round (or to replay after a restart) ``prompt_token_ids``, ``params``,
-        ``seed`` and ``output_token_ids``; optionally ``prefill_until``: cache at most that
-        many of the request's context tokens this round (chunked prefill). A request whose
-        context is not all cached after this round's prefill is not verified: its result has
-        no tokens and ``prefilling`` true. Returns per request the committed tokens, counts and
-        finish reason, plus why a block was dropped (if it was); and the round's timing:
-        ``wait_s`` (waiting for blocks), ``compute_s`` (prefill, forward and verification),
-        ``prefill_s`` (of requests new here), ``service_s``.
+        A request new here is rebuilt from its spec and prefilled (its output too, after a
+        resume), at most up to ``prefill_until`` under chunked prefill: one still short of its
+        context is not verified (its result is a chunk). Verdicts go back to the draft workers
+        over their streams; the report carries the results and the round's timing.
         """
         entered = time.perf_counter()
-        fresh = [item for item in round_spec if item["request_id"] not in self.requests]
-        for item in fresh:
-            state = RequestState.from_spec(item, self.vocab_size, self.eos_token_ids)
-            self.requests[state.request_id] = state
-        states = [self.requests[item["request_id"]] for item in round_spec]
-        for item, state in zip(round_spec, states, strict=True):
-            if item["num_committed"] != len(state.output_token_ids):
-                raise RuntimeError(
-                    f"request {state.request_id} is at {len(state.output_token_ids)} committed "
-                    f"tokens here, the caller says {item['num_committed']}"
-                )
+        items = round_.items
+        states, fresh = self.rounds.open(items)
         prefill_started = time.perf_counter()
-        new_here = {item["request_id"] for item in fresh}  # (even with nothing to cache)
+        # (a request new here goes through prefill even with nothing to cache)
         unready = [
-            s for s in states if s.request_id in new_here or s.request_id in self.core.prefilling
+            s for s in states if s.request_id in fresh or s.request_id in self.core.prefilling
         ]
         prefilling = set()  # cached short of their context after this round's prefill
         if unready:
-            until = {
-                item["request_id"]: item["prefill_until"]
-                for item in round_spec
-                if "prefill_until" in item
-            }
+            until = {item.request_id: item.prefill_until for item in items}
             prefilling = self.core.prefill([self._replay_view(s) for s in unready], until)
-        keys = [
-            (item["request_id"], item["step"])
-            for item in round_spec
-            if item["expect_draft"] and item["request_id"] not in prefilling
-        ]
+        keys = self.rounds.expected(items, prefilling)
         waited = time.perf_counter()
         prefill_s = waited - prefill_started
-        arrived = self.inbox.take(keys, time.monotonic() + draft_deadline_s) if keys else {}
+        deadline = time.monotonic() + round_.draft_deadline_s
+        arrived = self.inbox.take(keys, deadline) if keys else {}
         wait_s = time.perf_counter() - waited
-        blocks, dropped, held_rows = {}, {}, {}
-        for key, value in arrived.items():
-            if isinstance(value, str):
-                dropped[key[0]] = value
-                continue
-            held_rows[key[0]] = value.num_target_features
-            if value.num_committed != len(self.requests[key[0]].output_token_ids):
-                dropped[key[0]] = "stale: drafted from other committed tokens"
-            else:
-                blocks[key[0]] = (value.token_ids, value.draft_probs)
-        for key in keys:
-            if key not in arrived:
-                dropped[key[0]] = "deadline: no block arrived in time"
+        checked, dropped = self.rounds.sort(keys, arrived)
+        blocks = {rid: (block.token_ids, block.draft_probs) for rid, block in checked.items()}
         forward_before = self.core.forward_s
         ready = [state for state in states if state.request_id not in prefilling]
         committed = dict(
@@ -173,44 +149,41 @@ class TargetWorker:
         )
         forward_s = self.core.forward_s - forward_before
         results = []
-        for item, state in zip(round_spec, states, strict=True):
+        for item, state in zip(items, states, strict=True):
             if state.request_id in prefilling:  # a chunk of its prompt only: nothing to commit
-                results.append(prefilling_result(state.request_id))
+                results.append(VerifyResult.chunk(state.request_id))
                 continue
             tokens = committed[state.request_id]
-            num_draft = len(blocks.get(state.request_id, ([],))[0])
-            reply = self.inbox.reply_to((state.request_id, item["step"]))
+            block = checked.get(state.request_id)
+            reply = self.inbox.reply_to((state.request_id, item.step))
             if reply is not None:
                 verdict = pb.Verdict(
                     request_id=state.request_id,
-                    step=item["step"],
+                    step=item.step,
                     num_accepted=len(tokens) - 1,
                     token_ids=tokens,
                 )
                 if self.core.keep_features and not state.finish_reason:
-                    self._attach_features(verdict, held_rows.get(state.request_id, 0))
+                    held = block.num_target_features if block is not None else 0
+                    self._attach_features(verdict, held)
                 reply(verdict)
+            num_draft = len(block.token_ids) if block is not None else 0
             results.append(
-                {
-                    "request_id": state.request_id,
-                    "token_ids": tokens,
-                    "num_draft_tokens": num_draft,
-                    "num_accepted": len(tokens) - 1 if num_draft else 0,
-                    "finish_reason": state.finish_reason,
-                    "dropped_reason": dropped.get(state.request_id, ""),
-                }
+                self.rounds.result(
+                    item, tokens, num_draft, len(tokens) - 1, state.finish_reason, dropped
+                )
             )
             if state.finish_reason:
                 self.release([state.request_id])
         service_s = time.perf_counter() - entered
-        return {
-            "results": results,
-            "wait_s": wait_s,
-            "compute_s": service_s - wait_s,  # prefill included: busy is busy
-            "prefill_s": prefill_s,
-            "forward_s": forward_s,  # the verification forward alone
-            "service_s": service_s,
-        }
+        return RoundReport(
+            tuple(results),
+            wait_s=wait_s,
+            compute_s=service_s - wait_s,
+            prefill_s=prefill_s,
+            forward_s=forward_s,
+            service_s=service_s,
+        )
 
     def _attach_features(self, verdict: pb.Verdict, held: int) -> None:
         """The rows the draft lacks: after the ``held`` it says it has (stateless here, so a
@@ -239,11 +212,11 @@ class TargetWorker:
 
     def release(self, request_ids: list[str]) -> None:
         """Free finished or cancelled requests (KV cache, state, pending blocks)."""
-        known = [request_id for request_id in request_ids if request_id in self.requests]
+        known = [request_id for request_id in request_ids if request_id in self.rounds.requests]
         if known:
             self.core.release(known)
         for request_id in known:
-            del self.requests[request_id]
+            self.rounds.forget(request_id)
             self.inbox.forget(request_id)
 
     @ray.method(concurrency_group="control")
@@ -253,7 +226,8 @@ class TargetWorker:
     @ray.method(concurrency_group="control")
     def held_requests(self) -> list[str]:
         """Requests with state here (KV cache rows and mirrored state): for leak checks."""
-        return sorted(set(self.requests) | {str(seq_id) for seq_id in self.runner.seq_ids})
+        held = set(self.rounds.requests) | {str(seq_id) for seq_id in self.runner.seq_ids}
+        return sorted(held)
 
     @ray.method(concurrency_group="control")
     def inbox_stats(self) -> dict:

@@ -60,6 +60,14 @@ from specray.errors import (
     UnavailableError,
 )
 from specray.outputs import RequestOutput
+from specray.protocol import (
+    DraftItem,
+    ProposeCall,
+    RoundReport,
+    VerifyItem,
+    VerifyResult,
+    VerifyRound,
+)
 from specray.rpc.messages import MAX_REQUEST_ID_CHARS
 from specray.sampling import MAX_SPEC_LEN, SamplingParams
 from specray.sampling.rng import random_seed
@@ -800,18 +808,19 @@ class Coordinator:
             if k > 0:
                 request.last_drafted_step = request.step
             state = request.state
-            item = {
-                "request_id": state.request_id,
-                "step": request.step,
-                "num_committed": len(state.output_token_ids),
-                "expect_draft": k > 0,
-            }
-            if not request.target_knows:
-                item |= state.to_spec()
-            if state.request_id in grants:
-                item["prefill_until"] = grants[state.request_id]
-                self.stats.target_prefill_tokens += item["prefill_until"] - request.target_prefilled
-            target_items.append(item)
+            until = grants.get(state.request_id)
+            if until is not None:
+                self.stats.target_prefill_tokens += until - request.target_prefilled
+            target_items.append(
+                VerifyItem(
+                    state.request_id,
+                    request.step,
+                    len(state.output_token_ids),
+                    expect_draft=k > 0,
+                    spec=None if request.target_knows else state.to_spec(),
+                    prefill_until=until,
+                )
+            )
             request.target_knows = True
             if k > 0:
                 draft_items.setdefault(request.draft_worker, []).append(
@@ -819,17 +828,19 @@ class Coordinator:
                 )
         proposals = {
             (worker, self._draft_generation[worker]): asyncio.ensure_future(
-                self.drafts.propose(worker, items, self.config.draft_ahead)
+                self.drafts.propose(worker, ProposeCall(tuple(items), self.config.draft_ahead))
             )
             for worker, items in draft_items.items()
         }
-        reply = await self.target.verify(target_items, self.config.draft_deadline_s)
+        reply = await self.target.verify(
+            VerifyRound(tuple(target_items), self.config.draft_deadline_s)
+        )
         for key, future in proposals.items():  # replies arrive in the background
             future.add_done_callback(lambda f, key=key: self._proposal_done(f, *key))
         self._record_round(reply)
         finished = []
-        for request, result in zip(requests, reply["results"], strict=True):
-            if result.get("prefilling"):  # a chunk of its prompt: nothing committed yet
+        for request, result in zip(requests, reply.results, strict=True):
+            if result.prefilling:  # a chunk of its prompt: nothing committed yet
                 request.target_prefilled = grants[request.state.request_id]
                 self.stats.prefill_chunks += 1
                 continue
@@ -862,7 +873,7 @@ class Coordinator:
                 fresh.setdefault(worker, []).append(request)
         for worker, new in fresh.items():
             generation = self._draft_generation[worker]
-            items = [self._draft_item(request, 0) for request in new]
+            items = tuple(self._draft_item(request, 0) for request in new)
             future = asyncio.ensure_future(self.drafts.prefill(worker, items))
             for request in new:
                 request.draft_prefill = future
@@ -899,30 +910,29 @@ class Coordinator:
             self._draft_failed(worker, generation, future.exception())
             return
         if generation == self._draft_generation[worker]:
-            self.stats.draft_prefill_s += future.result()["draft_s"]
+            self.stats.draft_prefill_s += future.result().draft_s
             self.stats.draft_prefill_tokens += sum(
                 len(r.state.prompt_token_ids) - 1 for r in requests
             )
             for request in requests:
                 request.draft_ready = True
 
-    def _draft_item(self, request: _Request, k: int) -> dict:
+    def _draft_item(self, request: _Request, k: int) -> DraftItem:
         state = request.state
-        item = {
-            "request_id": state.request_id,
-            "step": request.step,
-            "k": k,
-            "num_committed": len(state.output_token_ids),
-        }
+        ahead = True
         if k > 0 and self.config.draft_ahead:  # drafts before the verdict: only if kept likely
             acceptance = request.estimator.acceptance(k + 1)
-            item["ahead"] = should_draft_ahead(acceptance, k, self.config.draft_ahead_min_hit)
-        if request.draft_known is None:
-            spec = state.to_spec()
-            item |= {key: spec[key] for key in ("prompt_token_ids", "params", "seed")}
-            item["new_token_ids"] = list(state.output_token_ids)
-        else:
-            item["new_token_ids"] = state.output_token_ids[request.draft_known :]
+            ahead = should_draft_ahead(acceptance, k, self.config.draft_ahead_min_hit)
+        first_contact = request.draft_known is None
+        item = DraftItem(
+            state.request_id,
+            request.step,
+            k,
+            len(state.output_token_ids),
+            tuple(state.output_token_ids[0 if first_contact else request.draft_known :]),
+            spec=state.to_spec(with_output=False) if first_contact else None,
+            ahead=ahead,
+        )
         request.draft_known = len(state.output_token_ids)
         return item
 
@@ -932,13 +942,13 @@ class Coordinator:
         except Exception as error:  # the worker died or its call failed: replace it
             self._draft_failed(worker, generation, error)
             return
-        self.stats.draft_bytes += reply["bytes"]
-        self.stats.reused_tokens += reply.get("reused_tokens", 0)
-        self.metrics.labels(self.metrics.wire_bytes).inc(reply["bytes"])
-        self.metrics.labels(self.metrics.draft_latency).observe(reply["draft_s"])
-        if reply["steps"] > 0 and reply["num_requests"] > 0:
+        self.stats.draft_bytes += reply.bytes
+        self.stats.reused_tokens += reply.reused_tokens
+        self.metrics.labels(self.metrics.wire_bytes).inc(reply.bytes)
+        self.metrics.labels(self.metrics.draft_latency).observe(reply.draft_s)
+        if reply.steps > 0 and reply.num_requests > 0:
             self.costs.add_draft(
-                reply["num_requests"], reply["draft_s"] / reply["steps"], self.config.draft_prior
+                reply.num_requests, reply.draft_s / reply.steps, self.config.draft_prior
             )
 
     def _draft_failed(self, worker: int, generation: int, error: BaseException) -> None:
@@ -957,22 +967,22 @@ class Coordinator:
         self._background.add(replacement)
         replacement.add_done_callback(self._background.discard)
 
-    def _record_round(self, reply) -> None:
-        compute_s, wait_s = reply["compute_s"], reply["wait_s"]
+    def _record_round(self, reply: RoundReport) -> None:
+        compute_s, wait_s = reply.compute_s, reply.wait_s
         self.stats.rounds += 1
         self.stats.target_compute_s += compute_s
         self.stats.target_wait_s += wait_s
         self.metrics.labels(self.metrics.target_busy_seconds).inc(compute_s)
         self.metrics.labels(self.metrics.pipeline_bubble_seconds).inc(wait_s)
         self.metrics.labels(self.metrics.verify_latency).observe(compute_s)
-        verified = [r for r in reply["results"] if not r.get("prefilling")]
+        verified = [r for r in reply.results if not r.prefilling]
         # Prefill of requests new to the target is busy time, but not the cost of a round.
-        prefill_s = reply.get("prefill_s", 0.0)
-        self.stats.target_forward_s += reply.get("forward_s", 0.0)
+        prefill_s = reply.prefill_s
+        self.stats.target_forward_s += reply.forward_s
         if prefill_s > 0:
             self.stats.target_prefill_s += prefill_s
         if verified:  # (a round of prompt chunks only verifies nothing)
-            widest = max(len(r["token_ids"]) + (r["num_draft_tokens"] - r["num_accepted"])
+            widest = max(len(r.token_ids) + (r.num_draft_tokens - r.num_accepted)
                          for r in verified)  # fmt: skip
             verify_s = compute_s - prefill_s
             self.costs.add_verify(len(verified), widest, verify_s, self.config.verify_prior)
@@ -981,21 +991,21 @@ class Coordinator:
             busy = min(self.stats.target_compute_s / elapsed, 1.0)
             self.metrics.labels(self.metrics.target_busy_fraction).set(busy)
 
-    def _commit(self, request: _Request, result: dict) -> None:
+    def _commit(self, request: _Request, result: VerifyResult) -> None:
         state = request.state
-        num_draft, num_accepted = result["num_draft_tokens"], result["num_accepted"]
+        num_draft, num_accepted = result.num_draft_tokens, result.num_accepted
         state.metrics.record(num_draft, num_accepted)
         self.metrics.record_round(num_draft, num_accepted)
         if num_draft:
             request.estimator.update(num_draft, num_accepted)
             self._group_acceptance.update(num_draft, num_accepted)
-        if result["dropped_reason"]:
+        if result.dropped is not None:
             self.stats.dropped_blocks += 1
-            reason = result["dropped_reason"].split(":")[0]
+            reason = result.dropped.reason.value
             self.metrics.labels(self.metrics.dropped_blocks, reason=reason).inc()
         before = len(state.output_token_ids)
-        state.commit(result["token_ids"])
-        if state.finish_reason != result["finish_reason"]:
+        state.commit(result.token_ids)
+        if state.finish_reason != result.finish_reason:
             raise RuntimeError(f"coordinator and target disagree on {state.request_id}'s end")
         new = state.output_token_ids[before:]
         self.stats.committed_tokens += len(new)

@@ -10,9 +10,18 @@ call can stop a draft-ahead. Blocks still travel draft -> target over gRPC on lo
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from specray.distributed import DRAFT_WORKER_CONCURRENCY
+from specray.protocol import (
+    DraftItem,
+    PrefillReport,
+    ProposeCall,
+    ProposeReport,
+    RoundReport,
+    VerifyRound,
+)
 
 
 class InProcessTarget:
@@ -29,8 +38,8 @@ class InProcessTarget:
     async def _call(self, executor, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
-    async def verify(self, items: list[dict], draft_deadline_s: float) -> dict:
-        return await self._call(self._ordered, self.worker.verify_round, items, draft_deadline_s)
+    async def verify(self, round_: VerifyRound) -> RoundReport:
+        return await self._call(self._ordered, self.worker.verify_round, round_)
 
     async def release(self, request_ids: list[str]) -> None:
         await self._call(self._ordered, self.worker.release, request_ids)
@@ -83,11 +92,11 @@ class InProcessDrafts:
     def available(self, worker: int) -> bool:
         return True
 
-    async def prefill(self, worker: int, items: list[dict]) -> dict:
+    async def prefill(self, worker: int, items: Sequence[DraftItem]) -> PrefillReport:
         return await self._call(worker, "prefill", items)
 
-    async def propose(self, worker: int, items: list[dict], draft_ahead: bool) -> dict:
-        return await self._call(worker, "propose", items, draft_ahead)
+    async def propose(self, worker: int, call: ProposeCall) -> ProposeReport:
+        return await self._call(worker, "propose", call)
 
     async def release(self, worker: int, request_ids: list[str]) -> None:
         await self._call(worker, "release", request_ids)

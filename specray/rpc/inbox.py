@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from specray.protocol import Dropped, DropReason
 from specray.rpc.messages import CheckedBlock
 
 Key = tuple[str, int]  # (request_id, step)
@@ -30,7 +31,7 @@ class BlockInbox:
     def __init__(self):
         self._lock = threading.Condition()
         self._blocks: dict[Key, CheckedBlock] = {}
-        self._invalid: dict[Key, str] = {}
+        self._invalid: dict[Key, Dropped] = {}
         self._reply: dict[Key, Callable] = {}  # where to send the verdict for a key
         self._verified_step: dict[str, int] = {}  # highest step already verified per request
         self.stats = InboxStats()
@@ -57,10 +58,10 @@ class BlockInbox:
             label = reason.split(":")[0][:60]
             self.stats.invalid_reasons[label] = self.stats.invalid_reasons.get(label, 0) + 1
             if request_id:
-                self._invalid.setdefault((request_id, step), reason)
+                self._invalid.setdefault((request_id, step), Dropped(DropReason.INVALID, reason))
                 self._lock.notify_all()
 
-    def take(self, keys: Iterable[Key], deadline: float) -> dict[Key, CheckedBlock | str]:
+    def take(self, keys: Iterable[Key], deadline: float) -> dict[Key, CheckedBlock | Dropped]:
         """Wait until every key has a block or a drop reason, or the deadline passes.
 
         Returns what arrived: a block, or the reason it was dropped; missing keys are absent.
@@ -74,7 +75,7 @@ class BlockInbox:
                 if done or remaining <= 0:
                     break
                 self._lock.wait(remaining)
-            out: dict[Key, CheckedBlock | str] = {}
+            out: dict[Key, CheckedBlock | Dropped] = {}
             for key in keys:
                 if key in self._blocks:
                     out[key] = self._blocks.pop(key)

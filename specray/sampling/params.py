@@ -82,6 +82,7 @@ NUMBER_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
 )
+TOKEN_TUPLE_FIELDS = ("allowed_token_ids", "banned_token_ids", "stop_token_ids")
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class SamplingParams:
                 )
             bias[token_id] = number
         object.__setattr__(self, "logit_bias", MappingProxyType(bias))
-        for name in ("allowed_token_ids", "banned_token_ids", "stop_token_ids"):
+        for name in TOKEN_TUPLE_FIELDS:
             object.__setattr__(self, name, _token_tuple(name, getattr(self, name)))
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
@@ -201,6 +202,20 @@ class SamplingParams:
         if unknown:
             _fail(unknown[0], f"unknown sampling parameter {unknown[0]!r}")
         return cls(**values)
+
+    @classmethod
+    def trusted(cls, values: Mapping[str, Any]) -> SamplingParams:
+        """Rebuild parameters that were validated at the public edge and crossed an internal
+        wire (:mod:`specray.protocol`): no second validation, only the field types restored."""
+        params = object.__new__(cls)
+        for f in fields(cls):
+            value = values[f.name]
+            if f.name == "logit_bias":
+                value = MappingProxyType({int(key): float(bias) for key, bias in value.items()})
+            elif f.name in TOKEN_TUPLE_FIELDS and value is not None:
+                value = tuple(value)
+            object.__setattr__(params, f.name, value)
+        return params
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise SamplingParamsError if any token id is outside ``[0, vocab_size)``."""

@@ -21,10 +21,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 from ray import serve
 
+from specray.distributed import prefill_remote, propose_remote
 from specray.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -33,6 +35,7 @@ from specray.errors import (
     error_from_dict,
     error_to_dict,
 )
+from specray.protocol import DraftItem, PrefillReport, ProposeCall, ProposeReport
 from specray.serve.config import AppArgs
 from specray.serve.protocol import GenerateRequest
 from specray.serve.registry import get_registry
@@ -210,11 +213,11 @@ class PoolDraftBackend:
     def available(self, worker: int) -> bool:
         return worker in self._live
 
-    async def prefill(self, worker: int, items: list[dict]) -> dict:
-        return await self._handles[worker].prefill.remote(items)
+    async def prefill(self, worker: int, items: Sequence[DraftItem]) -> PrefillReport:
+        return await prefill_remote(self._handles[worker], items)
 
-    async def propose(self, worker: int, items: list[dict], draft_ahead: bool) -> dict:
-        return await self._handles[worker].propose.remote(items, draft_ahead)
+    async def propose(self, worker: int, call: ProposeCall) -> ProposeReport:
+        return await propose_remote(self._handles[worker], call)
 
     async def release(self, worker: int, request_ids: list[str]) -> None:
         await self._handles[worker].release.remote(request_ids)

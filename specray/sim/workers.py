@@ -33,10 +33,21 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specray.cluster.backends import prefilling_result
+from specray.protocol import (
+    DraftItem,
+    PrefillReport,
+    ProposeCall,
+    ProposeReport,
+    RequestSpec,
+    RoundReport,
+    VerifyResult,
+    VerifyRound,
+)
 from specray.sim.model import AcceptanceModel, LatencyModel
+from specray.target_rounds import TargetRounds, prefill_span
 
 SIM_TOKEN_ID = 1  # every committed token; never a stop token in the simulation
 VERDICT_WAIT_S = 2.0  # as the real draft worker's
@@ -158,7 +169,7 @@ class SimTargetBackend:
         rng: random.Random,
     ):
         self.latency, self.acceptance, self.inbox, self.rng = latency, acceptance, inbox, rng
-        self._requests: dict[str, _TargetRequest] = {}
+        self.rounds = TargetRounds(self._new_request, lambda state: state.committed)
         self._trace_index: dict[str, int] = {}  # request id -> workload index
         self._queue = asyncio.Lock()  # calls run one at a time, FIFO
         self.calls = 0
@@ -168,77 +179,56 @@ class SimTargetBackend:
         replays ``acceptance.trace(index)``."""
         self._trace_index[request_id] = index
 
-    async def verify(self, items: list[dict], draft_deadline_s: float) -> dict:
+    async def verify(self, round_: VerifyRound) -> RoundReport:
         latency = self.latency
         await _sleep(latency.rtt_s / 2 + latency.coordinator_overhead_s)
         async with self._queue:
-            reply = await self._verify(items, draft_deadline_s)
+            reply = await self._verify(round_)
         await _sleep(latency.rtt_s / 2)
         return reply
 
-    async def _verify(self, items: list[dict], draft_deadline_s: float) -> dict:
+    def _new_request(self, spec: RequestSpec) -> _TargetRequest:
+        committed = len(spec.output_token_ids)
+        index = self._trace_index.pop(spec.request_id, None)
+        return _TargetRequest(
+            committed,
+            spec.params.max_tokens,
+            len(spec.prompt_token_ids) + committed - 1,
+            None if index is None else self.acceptance.trace(index),
+        )
+
+    async def _verify(self, round_: VerifyRound) -> RoundReport:
         self.calls += 1
         entered = _now()
+        items = round_.items
+        states, _ = self.rounds.open(items)
         prefill_tokens = 0
-        for item in items:
-            if item["request_id"] in self._requests:
-                continue
-            if "prompt_token_ids" not in item:
-                raise ValueError(f"target has no state for request {item['request_id']}")
-            committed = len(item.get("output_token_ids", ()))
-            index = self._trace_index.pop(item["request_id"], None)
-            self._requests[item["request_id"]] = _TargetRequest(
-                committed,
-                int(item["params"]["max_tokens"]),
-                len(item["prompt_token_ids"]) + committed - 1,
-                None if index is None else self.acceptance.trace(index),
-            )
         prefilling = set()
-        for item in items:  # as the real target: up to prefill_until, then verify if all done
-            state = self._requests[item["request_id"]]
-            until = min(item.get("prefill_until", state.context), state.context)
-            prefill_tokens += max(until - state.prefilled, 0)
-            state.prefilled = max(until, state.prefilled)
-            if state.prefilled < state.context:
-                prefilling.add(item["request_id"])
+        for item, state in zip(items, states, strict=True):  # as the real target's prefill
+            end, short = prefill_span(state.prefilled, state.context, item.prefill_until)
+            prefill_tokens += max(end - state.prefilled, 0)
+            state.prefilled = max(end, state.prefilled)
+            if short:
+                prefilling.add(item.request_id)
         prefill_s = prefill_tokens * self.latency.prefill_per_token_s
         await _sleep(prefill_s)
-        states = [self._requests[item["request_id"]] for item in items]
-        for item, state in zip(items, states, strict=True):
-            if item["num_committed"] != state.committed:
-                raise RuntimeError(
-                    f"request {item['request_id']} is at {state.committed} committed tokens "
-                    f"here, the caller says {item['num_committed']}"
-                )
-        keys = [
-            (item["request_id"], item["step"])
-            for item in items
-            if item["expect_draft"] and item["request_id"] not in prefilling
-        ]
+        keys = self.rounds.expected(items, prefilling)
         waited = _now()
-        arrived = await self.inbox.take(keys, waited + draft_deadline_s) if keys else {}
+        arrived = await self.inbox.take(keys, waited + round_.draft_deadline_s) if keys else {}
         wait_s = _now() - waited
-        blocks, dropped = {}, {}
-        for (request_id, _), block in arrived.items():
-            if block.num_committed != self._requests[request_id].committed:
-                dropped[request_id] = "stale: drafted from other committed tokens"
-            else:
-                blocks[request_id] = block.num_tokens
-        for request_id, step in keys:
-            if (request_id, step) not in arrived:
-                dropped[request_id] = "deadline: no block arrived in time"
-        widest = 1 + max(blocks.values(), default=0)
+        blocks, dropped = self.rounds.sort(keys, arrived)
+        widest = 1 + max((block.num_tokens for block in blocks.values()), default=0)
         verifying = len(items) - len(prefilling)
         if verifying:
             await _sleep(self.latency.verify.seconds(verifying, widest))
         verdict_s = _now() + self.latency.rtt_s / 2
         results = []
         for item, state in zip(items, states, strict=True):
-            request_id = item["request_id"]
+            request_id = item.request_id
             if request_id in prefilling:
-                results.append(prefilling_result(request_id))
+                results.append(VerifyResult.chunk(request_id))
                 continue
-            num_draft = blocks.get(request_id, 0)
+            num_draft = blocks[request_id].num_tokens if request_id in blocks else 0
             if state.trace is not None:  # replayed: the draft's run from here, its bonus guess
                 run = state.trace[state.committed] if state.committed < len(state.trace) else 0
                 accepted, ahead_valid = min(run, num_draft), bool(num_draft) and run > num_draft
@@ -249,32 +239,27 @@ class SimTargetBackend:
             count = min(accepted + 1, state.max_tokens - state.committed)
             state.committed += count
             finished = state.committed >= state.max_tokens
-            if (request_id, item["step"]) in arrived:  # the draft streamed it: it gets a verdict
-                verdict = _Verdict(item["step"], verdict_s, ahead_valid and not finished, finished)
+            if (request_id, item.step) in arrived:  # the draft streamed it: it gets a verdict
+                verdict = _Verdict(item.step, verdict_s, ahead_valid and not finished, finished)
                 self.inbox.post_verdict(request_id, verdict)
+            finish_reason = "length" if finished else None
+            tokens = [SIM_TOKEN_ID] * count
             results.append(
-                {
-                    "request_id": request_id,
-                    "token_ids": [SIM_TOKEN_ID] * count,
-                    "num_draft_tokens": num_draft,
-                    "num_accepted": accepted if num_draft else 0,
-                    "finish_reason": "length" if finished else None,
-                    "dropped_reason": dropped.get(request_id, ""),
-                }
+                self.rounds.result(item, tokens, num_draft, accepted, finish_reason, dropped)
             )
             if finished:
                 self._forget(request_id)
         service_s = _now() - entered
-        return {
-            "results": results,
-            "wait_s": wait_s,
-            "compute_s": service_s - wait_s,
-            "service_s": service_s,
-            "prefill_s": prefill_s,  # as the real target: part of compute_s, not of a round
-        }
+        return RoundReport(
+            tuple(results),
+            wait_s=wait_s,
+            compute_s=service_s - wait_s,
+            prefill_s=prefill_s,  # as the real target: part of compute_s, not of a round
+            service_s=service_s,
+        )
 
     def _forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        self.rounds.forget(request_id)
 
     async def release(self, request_ids: list[str]) -> None:
         await _sleep(self.latency.rtt_s / 2 + self.latency.coordinator_overhead_s)
@@ -288,7 +273,7 @@ class SimTargetBackend:
         await _sleep(self.latency.rtt_s + self.latency.coordinator_overhead_s)
 
     async def held_requests(self) -> list[str]:
-        return sorted(self._requests)
+        return sorted(self.rounds.requests)
 
 
 @dataclass
@@ -309,17 +294,17 @@ class _SimDraftWorker:
         self._wakers: list[asyncio.Future] = []  # a draft-ahead waiting for a verdict
         self._idle_s = 0.0  # of the current propose: waiting for verdicts, not drafting
 
-    async def propose(self, items: list[dict], draft_ahead: bool) -> dict:
+    async def propose(self, call: ProposeCall) -> ProposeReport:
         latency = self.latency
         await _sleep(latency.rtt_s / 2 + latency.coordinator_overhead_s)
         self._arrive()
         async with self._lock:
             self._calls_waiting -= 1
-            reply = await self._propose(items, draft_ahead)
+            reply = await self._propose(call.items, call.draft_ahead)
         await _sleep(latency.rtt_s / 2)
         return reply
 
-    async def prefill(self, items: list[dict]) -> dict:
+    async def prefill(self, items: Sequence[DraftItem]) -> PrefillReport:
         """Take on new requests (their state; prefill time for their committed tokens)."""
         latency = self.latency
         await _sleep(latency.rtt_s / 2 + latency.coordinator_overhead_s)
@@ -330,7 +315,7 @@ class _SimDraftWorker:
             await self._sync(items)
             draft_s = _now() - started
         await _sleep(latency.rtt_s / 2)
-        return {"num_requests": len(items), "draft_s": draft_s}
+        return PrefillReport(len(items), draft_s)
 
     def _arrive(self) -> None:
         """A call queues for the worker: a draft-ahead yields, and stops waiting for verdicts."""
@@ -340,7 +325,7 @@ class _SimDraftWorker:
                 waker.set_result(None)
         self._wakers.clear()
 
-    async def _await_verdict(self, items: list[dict], deadline_s: float) -> bool:
+    async def _await_verdict(self, items: Sequence[DraftItem], deadline_s: float) -> bool:
         """Idle until a verdict due for these blocks arrives (True), or a call comes, none is
         due or the deadline passes (False): as the real worker, which drafts from it."""
         loop = asyncio.get_running_loop()
@@ -350,14 +335,14 @@ class _SimDraftWorker:
         finally:
             self._idle_s += loop.time() - started
 
-    async def _wait_for_verdict(self, items: list[dict], deadline_s: float) -> bool:
+    async def _wait_for_verdict(self, items: Sequence[DraftItem], deadline_s: float) -> bool:
         loop = asyncio.get_running_loop()
         while not self._calls_waiting:
             now = loop.time()
             posted, unposted = [], False
             for item in items:
-                verdict = self.inbox.verdict(item["request_id"])
-                if verdict is None or verdict.step < item["step"]:
+                verdict = self.inbox.verdict(item.request_id)
+                if verdict is None or verdict.step < item.step:
                     unposted = True
                 elif verdict.arrive_s > now:
                     posted.append(verdict.arrive_s)
@@ -375,63 +360,63 @@ class _SimDraftWorker:
                 return False
         return False
 
-    async def _sync(self, items: list[dict]) -> list[_DraftRequest]:
+    async def _sync(self, items: Sequence[DraftItem]) -> list[_DraftRequest]:
         """The requests' states, created on first sight (after a prefill's time)."""
         prefill_tokens = 0
         states = []
         for item in items:
-            state = self.requests.get(item["request_id"])
+            state = self.requests.get(item.request_id)
             if state is None:
-                if "prompt_token_ids" not in item:
-                    raise ValueError(f"draft worker has no state for request {item['request_id']}")
-                state = self.requests[item["request_id"]] = _DraftRequest(committed=0)
-                prefill_tokens += len(item["prompt_token_ids"]) + len(item["new_token_ids"])
-            state.committed += len(item["new_token_ids"])
-            if state.committed != item["num_committed"]:
+                if item.spec is None:
+                    raise ValueError(f"draft worker has no state for request {item.request_id}")
+                state = self.requests[item.request_id] = _DraftRequest(committed=0)
+                prefill_tokens += len(item.spec.prompt_token_ids) + len(item.new_token_ids)
+            state.committed += len(item.new_token_ids)
+            if state.committed != item.num_committed:
                 raise ValueError(
-                    f"request {item['request_id']}: the draft has {state.committed} committed "
-                    f"tokens, the coordinator says {item['num_committed']}"
+                    f"request {item.request_id}: the draft has {state.committed} committed "
+                    f"tokens, the coordinator says {item.num_committed}"
                 )
             states.append(state)
         await _sleep(prefill_tokens * self.latency.draft_prefill_per_token_s)
         return states
 
-    async def _propose(self, items: list[dict], draft_ahead: bool) -> dict:
+    async def _propose(self, items: Sequence[DraftItem], draft_ahead: bool) -> ProposeReport:
         latency = self.latency
         started = _now()
         states = await self._sync(items)
         reused = [self._reusable(s, item) for s, item in zip(states, items, strict=True)]
-        needs = [item["k"] - r for item, r in zip(items, reused, strict=True)]
+        needs = [item.k - r for item, r in zip(items, reused, strict=True)]
         steps = max(needs, default=0)
         for step in range(1, steps + 1):
             batch = sum(need >= step for need in needs)
             await _sleep(latency.draft_step.seconds(batch))
         arrive_s = _now() + latency.rtt_s / 2
         for item, state in zip(items, states, strict=True):
-            block = _Block(item["k"], item["num_committed"], arrive_s)
-            self.inbox.deposit(item["request_id"], item["step"], block)
-            state.last_step = item["step"]
+            block = _Block(item.k, item.num_committed, arrive_s)
+            self.inbox.deposit(item.request_id, item.step, block)
+            state.last_step = item.step
         ahead, self._idle_s = 0, 0.0
         if draft_ahead:
             ahead, ahead_steps = await self._draft_ahead(items, states)
             steps += ahead_steps
-        return {
-            "num_requests": len(items),
-            "bytes": latency.bytes_per_token * sum(item["k"] for item in items),
-            "draft_s": _now() - started - self._idle_s,  # drafting only, as the real worker
-            "steps": steps,
-            "reused_tokens": sum(reused),
-            "ahead_tokens": ahead,
-        }
+        return ProposeReport(
+            num_requests=len(items),
+            bytes=latency.bytes_per_token * sum(item.k for item in items),
+            draft_s=_now() - started - self._idle_s,  # drafting only, as the real worker
+            steps=steps,
+            reused_tokens=sum(reused),
+            ahead_tokens=ahead,
+        )
 
-    def _reusable(self, state: _DraftRequest, item: dict) -> int:
+    def _reusable(self, state: _DraftRequest, item: DraftItem) -> int:
         """Tokens drafted ahead that the committed tokens confirmed; the rest are dropped.
         Leaves ``state.ahead`` at the valid tokens past this call's block."""
-        verdict = self.inbox.verdict(item["request_id"])
+        verdict = self.inbox.verdict(item.request_id)
         valid = 0
         if (
             state.last_step is not None
-            and item["step"] == state.last_step + 1
+            and item.step == state.last_step + 1
             and verdict is not None
             and verdict.step == state.last_step
             and verdict.ahead_valid
@@ -439,16 +424,16 @@ class _SimDraftWorker:
             valid = max(state.ahead - 1, 0)  # the first token ahead was the bonus guess
         elif (
             state.last_step is not None
-            and item["step"] == state.last_step + 1
+            and item.step == state.last_step + 1
             and state.folded_step == state.last_step
         ):
             valid = state.next_block  # drafted from the verdict's committed tokens
-        reused = min(valid, item["k"])
+        reused = min(valid, item.k)
         state.ahead = valid - reused
         state.folded_step, state.next_block = None, 0
         return reused
 
-    async def _draft_ahead(self, items: list[dict], states: list[_DraftRequest]):
+    async def _draft_ahead(self, items: Sequence[DraftItem], states: list[_DraftRequest]):
         drafted = steps = 0
         loop = asyncio.get_running_loop()
         deadline_s = loop.time() + VERDICT_WAIT_S
@@ -456,18 +441,18 @@ class _SimDraftWorker:
             now = loop.time()
             open_ = []
             for item, state in zip(items, states, strict=True):
-                verdict = self.inbox.verdict(item["request_id"])
-                heard = verdict is not None and verdict.step >= item["step"]
+                verdict = self.inbox.verdict(item.request_id)
+                heard = verdict is not None and verdict.step >= item.step
                 if heard and verdict.arrive_s <= now:
                     # As the real worker: a verdict that did not confirm the drafts ahead is
                     # folded in and the next block drafted from what it committed.
-                    if verdict.step != item["step"] or verdict.ahead_valid or verdict.finished:
+                    if verdict.step != item.step or verdict.ahead_valid or verdict.finished:
                         continue
-                    if state.folded_step != item["step"]:
-                        state.folded_step, state.next_block, state.ahead = item["step"], 0, 0
-                    if state.next_block < item["k"]:
+                    if state.folded_step != item.step:
+                        state.folded_step, state.next_block, state.ahead = item.step, 0, 0
+                    if state.next_block < item.k:
                         open_.append(state)
-                elif state.ahead < item["k"] + 1 and item.get("ahead", True):
+                elif state.ahead < item.k + 1 and item.ahead:
                     open_.append(state)
             if not open_:
                 if await self._await_verdict(items, deadline_s):
@@ -507,11 +492,11 @@ class SimDraftBackend:
     def available(self, worker: int) -> bool:
         return True
 
-    async def prefill(self, worker: int, items: list[dict]) -> dict:
+    async def prefill(self, worker: int, items: Sequence[DraftItem]) -> PrefillReport:
         return await self._workers[worker].prefill(items)
 
-    async def propose(self, worker: int, items: list[dict], draft_ahead: bool) -> dict:
-        return await self._workers[worker].propose(items, draft_ahead)
+    async def propose(self, worker: int, call: ProposeCall) -> ProposeReport:
+        return await self._workers[worker].propose(call)
 
     async def release(self, worker: int, request_ids: list[str]) -> None:
         await self._workers[worker].release(request_ids)

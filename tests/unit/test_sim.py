@@ -16,6 +16,14 @@ import pytest
 from specray.cluster.coordinator import Coordinator, CoordinatorConfig
 from specray.cluster.policy import DraftCost, VerifyCost
 from specray.outputs import SpecDecodeMetrics
+from specray.protocol import (
+    DraftItem,
+    DropReason,
+    ProposeCall,
+    RequestSpec,
+    VerifyItem,
+    VerifyRound,
+)
 from specray.sampling import SamplingParams
 from specray.sim import (
     AcceptanceModel,
@@ -251,29 +259,33 @@ def test_shipped_configs_load(name):
 
 
 # ---- simulated workers ---------------------------------------------------------------------
+def _spec(request_id: str, *, max_tokens: int) -> RequestSpec:
+    return RequestSpec(request_id, (1, 2), SamplingParams(max_tokens=max_tokens), seed=0)
+
+
 def test_target_goes_alone_after_the_draft_deadline():
     latency = _latency(rtt_s=0.0, coordinator_overhead_s=0.0)
 
     async def main():
         target = SimTargetBackend(latency, AcceptanceModel((0.5,)), SimInbox(), random.Random(0))
-        spec = {"prompt_token_ids": [1, 2], "params": {"max_tokens": 3}, "seed": 0}
-        item = {"request_id": "r", "step": 1, "num_committed": 0, "expect_draft": True}
-        reply = await target.verify([item | spec], draft_deadline_s=0.5)
-        assert reply["wait_s"] == pytest.approx(0.5)
-        assert reply["compute_s"] == pytest.approx(latency.verify.seconds(1, 1))
-        (result,) = reply["results"]
-        assert result["dropped_reason"].startswith("deadline")
-        assert result["token_ids"] == [1] and result["num_draft_tokens"] == 0
-        assert result["finish_reason"] is None
-        item = {"request_id": "r", "step": 2, "num_committed": 1, "expect_draft": False}
-        reply = await target.verify([item], draft_deadline_s=0.5)
-        assert reply["wait_s"] == 0.0 and reply["results"][0]["finish_reason"] is None
+        spec = _spec("r", max_tokens=3)
+        item = VerifyItem("r", 1, 0, expect_draft=True, spec=spec)
+        reply = await target.verify(VerifyRound((item,), draft_deadline_s=0.5))
+        assert reply.wait_s == pytest.approx(0.5)
+        assert reply.compute_s == pytest.approx(latency.verify.seconds(1, 1))
+        (result,) = reply.results
+        assert result.dropped.reason is DropReason.DEADLINE
+        assert result.token_ids == (1,) and result.num_draft_tokens == 0
+        assert result.finish_reason is None
+        item = VerifyItem("r", 2, 1, expect_draft=False)
+        reply = await target.verify(VerifyRound((item,), draft_deadline_s=0.5))
+        assert reply.wait_s == 0.0 and reply.results[0].finish_reason is None
         assert await target.held_requests() == ["r"]
-        with pytest.raises(RuntimeError, match="committed"):
-            await target.verify([item], draft_deadline_s=0.5)  # stale num_committed
-        item = {"request_id": "r", "step": 3, "num_committed": 2, "expect_draft": False}
-        reply = await target.verify([item], draft_deadline_s=0.5)
-        assert reply["results"][0]["finish_reason"] == "length"
+        with pytest.raises(RuntimeError, match="committed"):  # stale num_committed
+            await target.verify(VerifyRound((item,), draft_deadline_s=0.5))
+        item = VerifyItem("r", 3, 2, expect_draft=False)
+        reply = await target.verify(VerifyRound((item,), draft_deadline_s=0.5))
+        assert reply.results[0].finish_reason == "length"
         assert await target.held_requests() == []  # released when it finished
 
     run_virtual(main())
@@ -287,36 +299,32 @@ def test_block_and_verdict_flow_with_draft_ahead():
         inbox = SimInbox()
         target = SimTargetBackend(latency, AcceptanceModel((1.0,), 1.0), inbox, random.Random(0))
         drafts = SimDraftBackend(1, latency, inbox)
-        spec = {"prompt_token_ids": [1, 2], "params": {"max_tokens": 50}, "seed": 0}
+        spec = _spec("r", max_tokens=50)
         committed = 0
         replies = []
         for step in (1, 2):
-            draft_item = {"request_id": "r", "step": step, "k": 3, "num_committed": committed}
-            if step == 1:
-                draft_item |= {key: spec[key] for key in ("prompt_token_ids", "params", "seed")}
-                draft_item["new_token_ids"] = []
-            else:
-                draft_item["new_token_ids"] = [1] * committed
-            item = {"request_id": "r", "step": step, "num_committed": committed}
-            item |= {"expect_draft": True} | (spec if step == 1 else {})
+            draft_item = DraftItem(
+                "r", step, 3, committed, (1,) * committed, spec=spec if step == 1 else None
+            )
+            item = VerifyItem("r", step, committed, True, spec=spec if step == 1 else None)
             started = loop.time()
-            proposal = asyncio.ensure_future(drafts.propose(0, [draft_item], True))
-            reply = await target.verify([item], draft_deadline_s=5.0)
+            proposal = asyncio.ensure_future(drafts.propose(0, ProposeCall((draft_item,), True)))
+            reply = await target.verify(VerifyRound((item,), draft_deadline_s=5.0))
             replies.append((reply, await proposal, loop.time() - started))
-            committed += len(reply["results"][0]["token_ids"])
+            committed += len(reply.results[0].token_ids)
         return replies
 
     (first, first_draft, _), (second, second_draft, _) = run_virtual(main())
     step_s = latency.draft_step.seconds(1)
     # Both calls arrive together; the target waits for 3 draft steps and the block's trip.
-    assert first["wait_s"] == pytest.approx(3 * step_s + 0.001, rel=1e-6)
-    assert first["results"][0]["num_accepted"] == 3 and first["results"][0]["token_ids"] == [1] * 4
-    assert first_draft["steps"] == 3 + first_draft["ahead_tokens"]
-    assert first_draft["ahead_tokens"] >= 2 and first_draft["reused_tokens"] == 0
-    assert first_draft["bytes"] == 3 * latency.bytes_per_token
+    assert first.wait_s == pytest.approx(3 * step_s + 0.001, rel=1e-6)
+    assert first.results[0].num_accepted == 3 and first.results[0].token_ids == (1,) * 4
+    assert first_draft.steps == 3 + first_draft.ahead_tokens
+    assert first_draft.ahead_tokens >= 2 and first_draft.reused_tokens == 0
+    assert first_draft.bytes == 3 * latency.bytes_per_token
     # The bonus matched (bonus_match = 1): the tokens drafted after the guess are reused.
-    assert second_draft["reused_tokens"] == min(first_draft["ahead_tokens"] - 1, 3)
-    assert second["wait_s"] < first["wait_s"]
+    assert second_draft.reused_tokens == min(first_draft.ahead_tokens - 1, 3)
+    assert second.wait_s < first.wait_s
 
 
 def test_every_request_gets_exactly_max_tokens():
@@ -552,11 +560,11 @@ def test_probes_at_a_large_batch_send_scouts_only():
     async def watch(coordinator, target):
         original = target.verify
 
-        async def verify(items, deadline_s):
-            drafting = sum(item["expect_draft"] for item in items)
+        async def verify(round_):
+            drafting = sum(item.expect_draft for item in round_.items)
             if drafting:
                 probes.append((target.calls, drafting))
-            return await original(items, deadline_s)
+            return await original(round_)
 
         target.verify = verify
         while True:
@@ -630,23 +638,20 @@ def test_a_rejecting_verdict_is_folded_in_and_the_next_block_drafted_early():
         inbox = SimInbox()
         target = SimTargetBackend(latency, AcceptanceModel((0.0,), 0.0), inbox, random.Random(0))
         drafts = SimDraftBackend(1, latency, inbox)
-        spec = {"prompt_token_ids": [1, 2], "params": {"max_tokens": 50}, "seed": 0}
+        spec = _spec("r", max_tokens=50)
         committed, replies = 0, []
         for step in (1, 2):
-            draft_item = {"request_id": "r", "step": step, "k": 3, "num_committed": committed}
-            draft_item |= {key: spec[key] for key in ("prompt_token_ids", "params", "seed")}
-            draft_item["new_token_ids"] = [1] * committed if step > 1 else []
-            if step > 1:
-                del draft_item["prompt_token_ids"], draft_item["params"], draft_item["seed"]
-            item = {"request_id": "r", "step": step, "num_committed": committed}
-            item |= {"expect_draft": True} | (spec if step == 1 else {})
-            proposal = asyncio.ensure_future(drafts.propose(0, [draft_item], True))
-            reply = await target.verify([item], draft_deadline_s=5.0)
+            draft_item = DraftItem(
+                "r", step, 3, committed, (1,) * committed, spec=spec if step == 1 else None
+            )
+            item = VerifyItem("r", step, committed, True, spec=spec if step == 1 else None)
+            proposal = asyncio.ensure_future(drafts.propose(0, ProposeCall((draft_item,), True)))
+            reply = await target.verify(VerifyRound((item,), draft_deadline_s=5.0))
             replies.append((reply, await proposal))
-            committed += len(reply["results"][0]["token_ids"])
+            committed += len(reply.results[0].token_ids)
         return replies
 
     (first, _), (second, second_draft) = run_virtual(main())
-    assert first["results"][0]["num_accepted"] == 0
-    assert second_draft["reused_tokens"] == 3, "the whole next block was drafted from the verdict"
-    assert second["wait_s"] < first["wait_s"]
+    assert first.results[0].num_accepted == 0
+    assert second_draft.reused_tokens == 3, "the whole next block was drafted from the verdict"
+    assert second.wait_s < first.wait_s
