@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specray-installed
 
-.PHONY: demo test chaos bench lint format clean
+.PHONY: demo test test-fast chaos bench lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The developer fast lane: the unit and statistical tiers without the tests that start Ray,
+# spawn processes, run a whole pipeline or load the real model more than once (markers:
+# pyproject.toml). One intra-op thread: the tests' tensors are small, and on a busy machine
+# OpenMP's wake-ups cost more than the work they split.
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "(unit or statistical) and not ray and not slow" \
+		tests/unit tests/statistical
 
 # The full chaos run (every fault kind, a soak) after a long fuzzing pass; prints the table.
 chaos: $(STAMP)

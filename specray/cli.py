@@ -154,13 +154,14 @@ def _sampling_fields(args: argparse.Namespace) -> dict:
 def _generate_remote(args: argparse.Namespace) -> int:
     """Through the client library: streams the text as it is committed."""
     from specray.client import Client
+    from specray.prompts import user_turn
 
     fields = _sampling_fields(args)
     if fields["seed"] is None:
         del fields["seed"]
-    prompt = {"prompt": args.prompt} if args.no_chat_template else {
-        "messages": [{"role": "user", "content": args.prompt}]
-    }  # fmt: skip
+    prompt = (
+        {"prompt": args.prompt} if args.no_chat_template else {"messages": user_turn(args.prompt)}
+    )
     from specray.client import SpecrayClientError
 
     try:
@@ -247,7 +248,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _serving_bench(args: argparse.Namespace) -> int:
-    from specray.bench_serving import (
+    from specray.bench.serving import (
         ServingBenchConfig,
         parse_concurrency,
         print_serving_report,
@@ -271,8 +272,8 @@ def _serving_bench(args: argparse.Namespace) -> int:
 
 
 def _overhead_bench(args: argparse.Namespace) -> int:
-    from specray.bench_overhead import OverheadConfig, format_overhead, run_overhead_bench
-    from specray.bench_serving import parse_concurrency
+    from specray.bench.overhead import OverheadConfig, format_overhead, run_overhead_bench
+    from specray.bench.serving import parse_concurrency
 
     config = OverheadConfig(
         target=args.target or "tiny",
@@ -287,8 +288,8 @@ def _overhead_bench(args: argparse.Namespace) -> int:
 
 
 def _steps_bench(args: argparse.Namespace) -> int:
-    from specray.bench_serving import parse_concurrency
-    from specray.bench_steps import StepsConfig, format_steps, run_steps_bench
+    from specray.bench.serving import parse_concurrency
+    from specray.bench.steps import StepsConfig, format_steps, run_steps_bench
 
     config = StepsConfig(
         target=args.target,
@@ -301,7 +302,13 @@ def _steps_bench(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from specray.bench import BenchConfig, parse_k, print_report, run_bench, run_distributed_bench
+    from specray.bench.main import (
+        BenchConfig,
+        parse_k,
+        print_report,
+        run_bench,
+        run_distributed_bench,
+    )
 
     if args.overhead:
         return _overhead_bench(args)
@@ -330,7 +337,7 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         print_report(report)
     if args.plot:
-        from specray.bench import plot_report
+        from specray.bench.main import plot_report
 
         plot_report(report, args.plot)
         print(f"specray: plot written to {args.plot}", file=sys.stderr)
@@ -338,7 +345,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _drafters_bench(args: argparse.Namespace) -> int:
-    from specray.bench_drafters import (
+    from specray.bench.drafters import (
         DraftersBenchConfig,
         parse_drafters,
         print_drafters_report,

@@ -14,21 +14,20 @@ from dataclasses import dataclass
 
 import torch
 
-from specray.cluster.coordinator import Coordinator, CoordinatorConfig
-from specray.cluster.local import CoordinatorThread
+from specray.cluster.distributed import DistributedBackend, connect
 from specray.cluster.placement import PlacementConfig
 from specray.core import Block, RequestState, TargetCore, eos_token_ids
-from specray.distributed import (
-    DEFAULT_DRAFT_DEADLINE_S,
-    DistributedBackend,
-    RayDraftBackend,
-    RayTargetBackend,
-    connect,
-)
 from specray.drafters import Drafter, DraftRequest, make_drafter
+from specray.engine_core.client import EngineCoreClient
+from specray.engine_core.coordinator_config import (
+    DEFAULT_DRAFT_DEADLINE_S,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    CoordinatorConfig,
+)
 from specray.models.loading import LoadedModel, load_model, load_model_info
 from specray.models.runner import ModelRunner
 from specray.outputs import RequestOutput
+from specray.prompts import prompt_token_ids
 from specray.sampling import (
     MAX_SPEC_LEN,
     DraftProbsEncoding,
@@ -37,16 +36,6 @@ from specray.sampling import (
 from specray.sampling.rng import random_seed
 
 DEFAULT_MAX_BATCH_SIZE = 32  # requests decoded together; more wait and join as others finish
-
-
-def chat_token_ids(tokenizer, text: str) -> list[int]:
-    """One user turn through the tokenizer's chat template, ready for the assistant's reply."""
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-    )
-    if hasattr(encoded, "keys"):
-        encoded = encoded["input_ids"]
-    return list(encoded)
 
 
 class EngineInputError(ValueError):
@@ -83,14 +72,15 @@ class Engine:
         exchange blocks over gRPC on an embedded local Ray; an address joins an existing cluster.
     tp_size: tensor-parallel ranks of the target group (distributed only).
     coordinator: scheduling of the distributed path (micro-batches, adaptive k, draft-ahead);
-        by default plain rounds with a fixed k, like the in-process engine.
+        by default plain rounds with a fixed k, like the in-process engine (seeded requests
+        draft every round after their first: ``reproducible_seeds``).
     """
 
     def __init__(
         self,
         target: str | torch.nn.Module = "default",
         draft: str | torch.nn.Module | Drafter | None = None,
-        num_speculative_tokens: int = 4,
+        num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
         *,
         draft_probs_encoding: str = "fp32",
         tokenizer=None,
@@ -120,7 +110,7 @@ class Engine:
         self.timing = EngineTiming()
         self._ids = itertools.count()
         self.backend: DistributedBackend | None = None
-        self.runner: CoordinatorThread | None = None
+        self.runner: EngineCoreClient | None = None
         if cluster is not None:
             config = coordinator or CoordinatorConfig(
                 max_running=max_batch_size,
@@ -130,6 +120,10 @@ class Engine:
                 adaptive_k=False,
                 draft_ahead=False,
                 draft_deadline_s=draft_deadline_s,
+                # As in process: a seeded request drafts every round after its first, the
+                # draft worker taking it on in that round's call (not in the background,
+                # where a burst of short requests could end before it has them).
+                reproducible_seeds=True,
             )
             self._init_distributed(
                 target, draft, cluster, tp_size, draft_probs_encoding, placement,
@@ -192,24 +186,20 @@ class Engine:
             placement=placement,
         )
         self.backend = backend
+        address = backend.start_engine(config, max_positions=info.max_positions)
+        self.runner = EngineCoreClient(address, tokenizer=info.tokenizer)
 
-        def make_coordinator() -> Coordinator:
-            return Coordinator(
-                RayTargetBackend(backend.leader),
-                RayDraftBackend(backend) if backend.drafts else None,
-                config,
-                vocab_size=info.vocab_size,
-                eos_token_ids=info.eos_token_ids,
-                max_positions=info.max_positions,
-                tokenizer=info.tokenizer,
-            )
-
-        self.runner = CoordinatorThread(make_coordinator)
+    def engine_stats(self) -> dict:
+        """The distributed engine core's totals (``stats``), per-round message counters
+        (``pool``: draft workers, ``sessions``: front-end batches) and Prometheus ``metrics``."""
+        if self.backend is None:
+            raise EngineInputError("engine_stats needs a distributed engine (cluster=...)")
+        return self.backend.engine_stats()
 
     def shutdown(self) -> None:
         """Stop the distributed workers (no-op in process)."""
         if self.runner is not None:
-            self.runner.stop(drain=False)
+            self.runner.close()
             self.runner = None
         if self.backend is not None:
             self.backend.shutdown()
@@ -221,9 +211,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise EngineInputError("prompt text needs a tokenizer; pass token ids instead")
-            if use_chat_template and getattr(self.tokenizer, "chat_template", None):
-                return chat_token_ids(self.tokenizer, prompt)
-            return list(self.tokenizer.encode(prompt))
+            return prompt_token_ids(self.tokenizer, prompt, use_chat_template=use_chat_template)
         token_ids = list(prompt)
         for token_id in token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
 from functools import cache
 from typing import Any
@@ -36,7 +37,7 @@ import msgpack
 from specray.sampling.params import SamplingParams
 
 PROTOCOL_VERSION = 1
-# Explicit msgpack limits on a decoded message (DESIGN.md section 6): a message over them is
+# Explicit msgpack limits on a decoded message (docs/design.md section 6): a message over them is
 # refused whole. Strings are request ids (at most 128 characters), enum values and finish reasons.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_STR_CHARS = 1024
@@ -163,6 +164,7 @@ class DraftReply:
     seq: int
     prefill: PrefillReport | None = None
     propose: ProposeReport | None = None
+    error: str | None = None  # the command failed: the engine core counts the worker failed
 
 
 # ---- front ends <-> the engine core -------------------------------------------------------
@@ -182,6 +184,7 @@ class FrontendBatch:
 
     submits: tuple[Submit, ...] = ()
     aborts: tuple[str, ...] = ()
+    finishes: tuple[str, ...] = ()  # end these now as finished (a stop string matched there)
 
 
 @dataclass(frozen=True)
@@ -253,7 +256,9 @@ class ProtocolError(ValueError):
 
 def encode(message: Message) -> bytes:
     """``[version, type tag, fields...]`` as msgpack."""
-    return msgpack.packb([PROTOCOL_VERSION, _TAGS[type(message)], *_fields_of(message)])
+    return msgpack.packb(
+        [PROTOCOL_VERSION, _TAGS[type(message)], *_encoder(type(message))(message)]
+    )
 
 
 def decode(data: bytes, expected: type[Message]) -> Message:
@@ -282,27 +287,14 @@ def decode(data: bytes, expected: type[Message]) -> Message:
     if tag != _TAGS[expected]:
         raise ProtocolError(f"expected a {expected.__name__}, got type tag {tag!r}")
     try:
-        return _build(expected, body)
-    except (TypeError, ValueError, KeyError) as error:
+        return _decoder(expected)(body)
+    except (TypeError, ValueError, KeyError, AttributeError) as error:
         raise ProtocolError(f"malformed {expected.__name__}: {error}") from None
 
 
-def _fields_of(message) -> list:
-    return [_plain(getattr(message, f.name)) for f in fields(message)]
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, SamplingParams):
-        plain = {f.name: getattr(value, f.name) for f in fields(value)}
-        plain["logit_bias"] = dict(value.logit_bias)
-        return plain
-    if isinstance(value, enum.Enum):
-        return value.value
-    if is_dataclass(value):
-        return _fields_of(value)
-    if isinstance(value, tuple):
-        return [_plain(entry) for entry in value]
-    return value
+# Converters are compiled once per message class from its type hints (a round's messages are
+# encoded and decoded on the per-round path): None means "as is".
+Convert = Callable[[Any], Any] | None
 
 
 @cache
@@ -311,35 +303,102 @@ def _hints(cls: type) -> list[tuple[str, Any]]:
     return [(f.name, hints[f.name]) for f in fields(cls)]
 
 
-def _build(cls: type, body: list) -> Any:
-    names = _hints(cls)
-    if len(body) != len(names):
-        raise ValueError(f"{cls.__name__} has {len(names)} fields, got {len(body)}")
-    return cls(
-        **{name: _typed(hint, value) for (name, hint), value in zip(names, body, strict=True)}
-    )
+@cache
+def _encoder(cls: type) -> Callable[[Any], list]:
+    plan = [(name, _to_plain(hint)) for name, hint in _hints(cls)]
+
+    def encode_fields(message) -> list:
+        return [
+            getattr(message, name) if convert is None else convert(getattr(message, name))
+            for name, convert in plan
+        ]
+
+    return encode_fields
 
 
-def _typed(hint: Any, value: Any) -> Any:
+def _to_plain(hint: Any) -> Convert:
+    """Tuples, ints, floats, strings and None go to msgpack as they are."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):  # X | None
-        if value is None:
-            return None
-        (inner,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        return _typed(inner, value)
+        inner = _to_plain(_optional(hint))
+        return None if inner is None else (lambda v: None if v is None else inner(v))
     if origin is tuple:
-        inner = typing.get_args(hint)[0]
-        if inner is int:
-            return tuple(value)
-        return tuple(_typed(inner, entry) for entry in value)
+        inner = _to_plain(typing.get_args(hint)[0])
+        return None if inner is None else (lambda v: [inner(entry) for entry in v])
     if hint is SamplingParams:
-        return SamplingParams.trusted(value)
+        return _params_to_plain
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return hint(value)
+        return lambda v: v.value
     if is_dataclass(hint):
-        return _build(hint, value)
-    if hint is float and isinstance(value, int):
-        return float(value)
-    if hint in (int, float, str, bool) and not isinstance(value, hint):
-        raise TypeError(f"expected {hint.__name__}, got {type(value).__name__}")
+        return _encoder(hint)
+    return None
+
+
+@cache
+def _decoder(cls: type) -> Callable[[list], Any]:
+    plan = [_from_plain(hint) for _, hint in _hints(cls)]
+
+    def build(body: list):
+        if len(body) != len(plan):
+            raise ValueError(f"{cls.__name__} has {len(plan)} fields, got {len(body)}")
+        return cls(*[convert(value) for convert, value in zip(plan, body, strict=True)])
+
+    return build
+
+
+def _from_plain(hint: Any) -> Convert:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):  # X | None
+        inner = _from_plain(_optional(hint)) or _identity
+        return lambda v: None if v is None else inner(v)
+    if origin is tuple:
+        entry_hint = typing.get_args(hint)[0]
+        if entry_hint in _SCALARS:  # token ids, request ids: as many as a round holds
+            return tuple
+        inner = _from_plain(entry_hint)
+        return lambda v: tuple([inner(entry) for entry in v])
+    if hint is SamplingParams:
+        return SamplingParams.trusted
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint
+    if is_dataclass(hint):
+        return _decoder(hint)
+    if hint is float:
+        return _float
+    return _SCALARS[hint]
+
+
+def _optional(hint: Any) -> Any:
+    (inner,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    return inner
+
+
+def _identity(value: Any) -> Any:
     return value
+
+
+def _float(value: Any) -> float:
+    if type(value) not in (float, int):
+        raise TypeError(f"expected a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _scalar(kind: type) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if not isinstance(value, kind):
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    return check
+
+
+_SCALARS = {kind: _scalar(kind) for kind in (int, str, bool)}
+
+
+def _params_to_plain(params: SamplingParams) -> dict:
+    plain = {name: getattr(params, name) for name in SAMPLING_FIELDS}
+    plain["logit_bias"] = dict(params.logit_bias)
+    return plain
+
+
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))

@@ -16,36 +16,32 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
-
+from specray.actors.draft_link import DraftLink
 from specray.core import RequestState
 from specray.drafters import DraftRequest, FeatureDrafter, make_drafter
 from specray.feature_rows import FeatureRows
 from specray.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model_dir
 from specray.models.runner import ModelRunner
 from specray.protocol import (
+    DraftCommand,
     DraftItem,
+    DraftReply,
     PrefillReport,
     ProposeCall,
     ProposeReport,
-    decode,
-    encode,
 )
 from specray.rpc.faults import LinkFaults
 from specray.rpc.messages import (
     InvalidMessageError,
     block_to_pb,
     check_verdict_features,
-    grpc_options,
 )
 from specray.sampling import DraftProbsEncoding, EncodedDraftProbs, stack_rows
-from specray.v1 import speculation_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 # How long a propose waits for the verdict carrying a request's newest target feature rows.
@@ -123,8 +119,8 @@ class DraftWorker:
         self._lock = threading.Lock()  # one drafting call at a time
         self._queue_lock = threading.Lock()
         self._calls_waiting = 0  # calls blocked on _lock: draft-ahead yields to them
-        self._target_address: str | None = None
-        self._outbox: queue.Queue | None = None
+        self.link: DraftLink | None = None
+        self._stopped = threading.Event()
         self.verdicts_received = 0
         self.link_faults = LinkFaults()  # none unless the chaos suite injects them
         self.blocks_dropped_by_faults = 0
@@ -132,33 +128,47 @@ class DraftWorker:
         self.busy_s = 0.0  # time spent drafting (its utilisation drives draft autoscaling)
         self._idle_s = 0.0  # of the current call: waiting for verdicts, not drafting
 
-    # ---- stream to the target ----------------------------------------------------------
-    def connect(self, target_address: str) -> None:
-        self._target_address = target_address
-        self._open_stream()
+    # ---- the stream to the engine core -------------------------------------------------
+    def connect(self, target_address: str, worker_id: str | None = None) -> str:
+        """Open the stream to the target group's rank 0; returns this worker's id there."""
+        self.link = DraftLink(
+            target_address,
+            take_verdict=self._on_verdict,
+            run_command=self._run_command,
+            on_arrival=self._wake,
+            worker_id=worker_id,
+        )
+        return self.link.worker_id
 
-    def _open_stream(self) -> None:
-        channel = grpc.insecure_channel(self._target_address, options=grpc_options())
-        outbox: queue.Queue = queue.Queue()
-        responses = pb_grpc.VerifierStub(channel).Exchange(iter(outbox.get, None))
+    def _run_command(self, command: DraftCommand) -> DraftReply | None:
+        """One command from the engine core: free, take on, then draft (the link's thread)."""
+        try:
+            if command.release:
+                self.release(list(command.release))
+            prefill = self.prefill(command.prefill) if command.prefill else None
+            propose = self.propose(command.propose) if command.propose is not None else None
+        except Exception as error:  # the engine core treats this worker as failed
+            log.exception("draft command %d failed", command.seq)
+            return DraftReply(command.seq, error=f"{type(error).__name__}: {error}")
+        if prefill is None and propose is None:
+            return None
+        return DraftReply(command.seq, prefill, propose)
 
-        def read_verdicts() -> None:
-            try:
-                for verdict in responses:
-                    self.verdicts_received += 1
-                    fate = self.verdict_faults.fate() if self.verdict_faults.active else 0.0
-                    if fate:
-                        threading.Timer(fate, self._take_verdict, (verdict,)).start()
-                    elif fate is not None:
-                        self._take_verdict(verdict)
-            except grpc.RpcError as error:
-                log.warning("draft stream to %s closed: %s", self._target_address, error.code())
-            finally:
-                if self._outbox is outbox:
-                    self._outbox = None  # reopened on the next propose
+    def _yield_now(self) -> bool:
+        """Another call or command is waiting for the drafter: a draft-ahead stops."""
+        return bool(self._calls_waiting or (self.link is not None and self.link.commands_waiting))
 
-        threading.Thread(target=read_verdicts, daemon=True).start()
-        self._outbox = outbox
+    def _wake(self) -> None:
+        with self._features_ready:  # a draft-ahead waiting for a verdict looks again
+            self._features_ready.notify_all()
+
+    def _on_verdict(self, verdict) -> None:
+        self.verdicts_received += 1
+        fate = self.verdict_faults.fate() if self.verdict_faults.active else 0.0
+        if fate:
+            threading.Timer(fate, self._take_verdict, (verdict,)).start()
+        elif fate is not None:
+            self._take_verdict(verdict)
 
     def _take_verdict(self, verdict) -> None:
         """Note the verdict's step (stops a draft-ahead) and store its target feature rows."""
@@ -204,14 +214,6 @@ class DraftWorker:
         self.link_faults = LinkFaults(delay_s, drop_fraction, seed)
 
     # ---- drafting ----------------------------------------------------------------------
-    def propose_wire(self, payload: bytes) -> bytes:
-        """:meth:`propose` for an encoded :class:`ProposeCall` (the Ray entry point)."""
-        return encode(self.propose(decode(payload, ProposeCall)))
-
-    def prefill_wire(self, payload: bytes) -> bytes:
-        """:meth:`prefill` for an encoded :class:`ProposeCall` (the Ray entry point)."""
-        return encode(self.prefill(decode(payload, ProposeCall).items))
-
     def propose(self, call: ProposeCall) -> ProposeReport:
         """Draft for each request and stream the blocks to the target.
 
@@ -226,14 +228,12 @@ class DraftWorker:
         round_spec = call.items
         with self._turn():
             started = time.perf_counter()
-            if self._outbox is None:
-                self._open_stream()
             states = [self._sync_state(item) for item in round_spec]
             if self.feature_drafter is not None:
                 self._await_features(states)
             reused = [len(self._reusable(state)) for state in states]  # before extending
             steps = self._extend(states, [item.k for item in round_spec])
-            sent_bytes = 0
+            ready, delayed = [], []
             for item, state in zip(round_spec, states, strict=True):
                 block = self.speculated[state.request_id][: item.k]
                 message = block_to_pb(
@@ -249,11 +249,12 @@ class DraftWorker:
                     self.blocks_dropped_by_faults += 1
                     continue
                 self._sent_step[state.request_id] = item.step
-                sent_bytes += message.ByteSize()
+                (delayed if fate else ready).append(message)
                 if fate:
-                    threading.Timer(fate, self._outbox.put, (message,)).start()
-                else:
-                    self._outbox.put(message)
+                    self.link.send_later(fate, [message])
+            # One message for the whole call, whatever the batch size.
+            sent_bytes = sum(message.ByteSize() for message in delayed)
+            sent_bytes += self.link.send_blocks(ready)
             ahead = 0
             if call.draft_ahead:
                 ahead, ahead_steps = self._draft_ahead(round_spec, states)
@@ -401,7 +402,7 @@ class DraftWorker:
         the next call finds its block drafted instead of starting after the round trip)."""
         drafted = steps = 0
         deadline = time.monotonic() + VERDICT_WAIT_S
-        while not self._calls_waiting:
+        while not self._yield_now():
             open_ = []
             for item, state in zip(round_spec, states, strict=True):
                 request_id, limit = state.request_id, 2 * item.k + 1
@@ -433,7 +434,7 @@ class DraftWorker:
         started = time.perf_counter()
         try:
             with self._features_ready:
-                while not self._calls_waiting:
+                while not self._yield_now():
                     due = any(
                         self._verdict_step(state.request_id) < item.step
                         for item, state in zip(round_spec, states, strict=True)
@@ -441,7 +442,7 @@ class DraftWorker:
                     remaining = deadline - time.monotonic()
                     if not due or remaining <= 0:
                         return False
-                    if self._features_ready.wait(remaining) and not self._calls_waiting:
+                    if self._features_ready.wait(remaining) and not self._yield_now():
                         return True  # a verdict (or rows) arrived: look again
                 return False
         finally:
@@ -512,6 +513,15 @@ class DraftWorker:
     def held_requests(self) -> list[str]:
         return sorted(self.requests)
 
+    def lifeline(self) -> None:
+        """Returns only when this worker stops: its caller learns at once that it died."""
+        self._stopped.wait()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self.link is not None:
+            self.link.close()
+
     def node_id(self) -> str:
         import ray
 
@@ -520,6 +530,9 @@ class DraftWorker:
     def stats(self) -> dict:
         return {
             "verdicts_received": self.verdicts_received,
+            "ray_calls": dict(getattr(self, "ray_calls", {})),
+            "messages_sent": self.link.messages_sent if self.link else 0,
+            "messages_received": self.link.messages_received if self.link else 0,
             "folded_verdicts": self.folded_verdicts,
             "bytes_sent": self.bytes_sent,
             "busy_s": self.busy_s,

@@ -8,6 +8,7 @@ forwards in lockstep (:mod:`specray.actors.tp_group`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import socket
 import time
@@ -16,11 +17,16 @@ from typing import ClassVar
 import ray
 import torch
 
+from specray.actors.ray_calls import mark_round_path_thread
 from specray.core import RequestState, TargetCore, eos_token_ids
+from specray.engine_core.coordinator import CoordinatorConfig
+from specray.engine_core.draft_streams import PoolCounters, StreamDraftPool
+from specray.engine_core.host import EngineCoreHost
+from specray.engine_core.sessions import EngineCoreServicer
 from specray.models.loading import load_model
 from specray.models.runner import ModelRunner
 from specray.models.tp import apply_tp, init_process_group_cpu
-from specray.protocol import RoundReport, VerifyResult, VerifyRound, decode, encode
+from specray.protocol import RoundReport, VerifyResult, VerifyRound
 from specray.rpc.inbox import BlockInbox
 from specray.rpc.messages import features_to_pb
 from specray.rpc.server import VerifierServicer, start_server
@@ -80,11 +86,88 @@ class TargetWorker:
                 lambda state: len(state.output_token_ids),
             )
             self.inbox = BlockInbox()
+            self.pool = StreamDraftPool()
+            self.engine_core: EngineCoreHost | None = None
+            self.sessions = EngineCoreServicer(lambda: self.engine_core)
             # Plaintext and unauthenticated (an internal port): bound to the cluster network
             # address only, never to every interface.
             self._server, self.address = start_server(
-                VerifierServicer(self.inbox, self.vocab_size), host=verifier_host or node_ip()
+                VerifierServicer(self.inbox, self.vocab_size, self.pool),
+                host=verifier_host or node_ip(),
+                engine_core=self.sessions,
             )
+
+    # ---- the engine core (rank 0) --------------------------------------------------------
+    def start_engine_core(
+        self,
+        config: CoordinatorConfig,
+        *,
+        with_drafts: bool,
+        max_positions: int | None = None,
+        model_name: str = "default",
+    ) -> str:
+        """Run the coordinator here (stopping one already running); returns the address front
+        ends open their sessions on."""
+        self.stop_engine_core()
+        self.pool.counters = PoolCounters()  # counted per engine core, as its stats are
+        self.engine_core = EngineCoreHost(
+            self,
+            config,
+            with_drafts=with_drafts,
+            max_positions=max_positions,
+            model_name=model_name,
+            thread_init=mark_round_path_thread,
+        )
+        return self.address
+
+    def stop_engine_core(self, drain: bool = False) -> None:
+        if self.engine_core is not None:
+            self.engine_core.stop(drain=drain)
+            self.engine_core = None
+
+    @ray.method(concurrency_group="control")
+    def wait_for_drafts(self, count: int, timeout_s: float = 120.0) -> int:
+        """Block until ``count`` draft workers have connected; returns how many are."""
+        self.pool.wait_for_workers(count, timeout_s)
+        return self.pool.num_live
+
+    @ray.method(concurrency_group="control")
+    def engine_core_metrics(self) -> bytes:
+        """The engine core's Prometheus text (empty when none runs)."""
+        core = self.engine_core
+        return core.coordinator.metrics.render() if core is not None else b""
+
+    @ray.method(concurrency_group="control")
+    def reset_engine_stats(self) -> None:
+        """Zero the engine core's totals (benchmarks start their clock here)."""
+        core = self.engine_core
+
+        async def reset() -> None:
+            core.coordinator.reset_stats()
+
+        core.call(reset(), timeout_s=30)
+
+    @ray.method(concurrency_group="control")
+    def engine_core_stats(self) -> dict:
+        """The coordinator's totals and the per-round message counters (benchmarks, tests)."""
+        core = self.engine_core
+        if core is None:
+            return {}
+        coordinator = core.coordinator
+
+        async def read() -> dict:  # on the loop: its state does not move meanwhile
+            return {
+                "stats": dict(coordinator.stats.__dict__),
+                "costs": copy.deepcopy(coordinator.costs),
+                "load": coordinator.load_signals(),
+                "pool": dict(self.pool.counters.__dict__),
+                "sessions": sum(session.batches_sent for session in self.sessions.sessions),
+                "metrics": coordinator.metrics.render(),
+                "num_draft_workers": self.pool.num_live,
+                "ray_calls": dict(getattr(self, "ray_calls", {})),
+            }
+
+        return core.call(read(), timeout_s=30)
 
     @ray.method(concurrency_group="control")
     def info(self) -> dict:
@@ -106,10 +189,6 @@ class TargetWorker:
         return follow(self.runner)
 
     # ---- leader (rank 0) ---------------------------------------------------------------
-    def verify_wire(self, payload: bytes) -> bytes:
-        """:meth:`verify_round` for an encoded :class:`VerifyRound` (the Ray entry point)."""
-        return encode(self.verify_round(decode(payload, VerifyRound)))
-
     def verify_round(self, round_: VerifyRound) -> RoundReport:
         """Run one round for the given requests; wait up to the deadline for their blocks.
 
@@ -237,7 +316,8 @@ class TargetWorker:
         }
 
     def stop(self) -> None:
-        """Stop the followers' loops (rank 0) and the gRPC server."""
+        """Stop the engine core, the followers' loops (rank 0) and the gRPC server."""
+        self.stop_engine_core()
         if self.world_size > 1:
             self.core.runner.stop()
         self._server.stop(grace=1)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from specray.models.runner import ModelRunner
 
 MAX_COMMAND_BYTES = 64 * 1024 * 1024  # a forward command carries token ids only
-# Explicit msgpack limits on a decoded command (DESIGN.md section 6); a command over them is
+# Explicit msgpack limits on a decoded command (docs/design.md section 6); a command over them is
 # refused whole. Strings are op names and sequence ids (request ids, at most 128 characters).
 MAX_COMMAND_STR_CHARS = 1024
 MAX_COMMAND_ARRAY_LEN = 1 << 22  # token ids fed to one sequence, ops, removed ids

@@ -1,1 +1,2 @@
-"""Cluster side: placement of draft and target workers (coordinator and autoscaling later)."""
+"""Cluster side: placement, starting and supervising the worker processes
+(:mod:`specray.cluster.distributed`), and the autoscaling policies."""

@@ -27,8 +27,8 @@ import torch
 from specray.distill.config import MIN_TEXT_CHUNK, STDLIB, DistillConfig
 from specray.distill.progress import Progress
 from specray.distill.prompts import chat_and_code_prompts, passage_prompts, text_prompts
-from specray.engine import chat_token_ids
 from specray.models.runner import ModelRunner, require_plain_head
+from specray.prompts import prompt_token_ids
 
 DATA_DIR = "data"
 TEXT_MANIFEST = "text-manifest.json"
@@ -84,7 +84,10 @@ def _next_tokens(logits: torch.Tensor, sampled: bool, config: DistillConfig, gen
 def generate_batch(runner, tokenizer, eos: set[int], prompts, config: DistillConfig, index: int):
     """The target answers one batch of prompts. The logits that choose each answer token are the
     target's distribution there, so the teacher's top-k comes with generation for free."""
-    encoded = {row: chat_token_ids(tokenizer, prompt) for row, prompt in enumerate(prompts)}
+    encoded = {
+        row: prompt_token_ids(tokenizer, prompt, use_chat_template=True)
+        for row, prompt in enumerate(prompts)
+    }
     sampled = _shard_sampled(config, index)
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
     answers: dict[int, list[int]] = {row: [] for row in encoded}

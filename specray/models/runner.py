@@ -42,8 +42,8 @@ def _grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     views that copy cost up to 10x the attention itself on CPU (transformers copies to suit
     CUDA's kernels). Several new tokens per row (a verification) are packed: the G query heads
     sharing a KV head become G x width queries of it, so each KV head is read once, not G
-    times (1.4x faster attention at 16 rows x 1024 slots x 5 tokens here); one new token goes
-    through SDPA's ``enable_gqa``."""
+    times (timings in docs/bench/history.md); one new token goes through SDPA's
+    ``enable_gqa``."""
     batch, heads, width, dim = query.shape
     kv_heads = key.shape[1]
     grouped = attention_mask is not None and heads != kv_heads

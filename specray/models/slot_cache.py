@@ -10,8 +10,8 @@ together sit together). Each running row writes its ``width`` new keys at its ow
 ``length_r .. length_r + width - 1`` (the ones past its real tokens are padding, left beyond
 its length); attention reads a view of the range's first ``end`` slots, masked per row by
 position. Nothing is copied per step: transformers' ``DynamicCache`` concatenates (copies) every
-layer's whole cache on every forward, which at 16 sequences of 300 tokens was 40% of a
-decode step here.
+layer's whole cache on every forward, a cost that grows with the context (what it came to:
+docs/bench/history.md).
 
 Example: rows A (length 5) and B (length 3) fed 2 and 1 tokens (width 2):
     slots  0 1 2 3 4 5 6

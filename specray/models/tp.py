@@ -23,11 +23,10 @@ sharded projections need no change to attention code or config. Ranks must call 
 lockstep with identical inputs: each call runs ``2 * num_hidden_layers`` collectives.
 
 Why not transformers' own ``tp_plan`` / ``DistributedConfig``: it shards just as exactly, but on
-CPU with gloo this hand-written plan was faster (14.0 vs 18.8 ms per tiny step: 4 all-reduces
-instead of ~6 collectives plus DTensor overhead; re-measured at 11 vs 21 ms on a loaded 2-core
-box), its DTensor outputs do not mix with ModelRunner's plain-tensor lm_head, and
-``tp_plan="auto"`` silently stays unsharded unless the ``WORLD_SIZE`` env var is set, whereas
-here rank and world size are arguments.
+CPU with gloo this hand-written plan is faster (4 all-reduces per step instead of ~6 collectives
+plus DTensor overhead; timings in docs/bench/history.md), its DTensor outputs do not mix with
+ModelRunner's plain-tensor lm_head, and ``tp_plan="auto"`` silently stays unsharded unless the
+``WORLD_SIZE`` env var is set, whereas here rank and world size are arguments.
 
 Example: hidden_size=32, num_attention_heads=4 (head_dim 8), num_key_value_heads=2,
 intermediate_size=64 at world size 2. Weights are ``[out, in]``; each rank keeps

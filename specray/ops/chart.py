@@ -10,7 +10,7 @@ binary needed. What ``specray cluster validate`` runs, step by step:
 4. ``serveConfigV2`` through Ray Serve's ``ServeDeploySchema`` and its args through
    ``AppArgs``; compared with :func:`specray.serve.launch.deploy_config` of those args.
 5. The pods' wiring (ports, the auth token's env var, the TLS mount) and the node groups, read
-   back as :class:`~specray.cluster.node_types.NodeType`, through ``placement_problems``.
+   back as :class:`~specray.ops.node_types.NodeType`, through ``placement_problems``.
 
     report = validate_chart("helm/specray", {"app": {"tp_size": 4}, "targetGroup": {"gpus": 4}})
     print(report.text()); assert report.ok
@@ -503,7 +503,7 @@ def node_types(rayservice: Mapping) -> list:
 
 
 def _node_type(name: str, group: Mapping, max_nodes: int, *, is_head: bool = False):
-    from specray.cluster.node_types import NodeType
+    from specray.ops.node_types import NodeType
 
     params = group.get("rayStartParams") or {}
     container = group["template"]["spec"]["containers"][0]
@@ -544,7 +544,7 @@ def ray_resources(value: str | None, group: str = "?") -> dict[str, float]:
 
 def check_placement(docs: Sequence[dict]) -> Check:
     """The node groups against the app's placement groups and draft pool at their largest."""
-    from specray.cluster.node_types import PlacementAsk, placement_problems
+    from specray.ops.node_types import PlacementAsk, placement_problems
 
     name = "placement (node groups vs AppArgs)"
     try:

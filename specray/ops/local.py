@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specray.cluster.node_types import NodeType, PlacementAsk, placement_problems
+from specray.ops.node_types import NodeType, PlacementAsk, placement_problems
 from specray.ops.processes import pid_alive, session_members, stop_session
 
 NODE_TYPE_LABEL = "specray.io/node-type"

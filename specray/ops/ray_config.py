@@ -14,7 +14,7 @@ passes every check below. No cloud account, no cluster, nothing launched:
    commands, mapped through ``file_mounts`` to a local file under ``base_dir``): Ray Serve's
    ``ServeDeploySchema``, the specray application's args as ``AppArgs``, its autoscaling
    policy's bounds equal to those args.
-5. Placement (:mod:`specray.cluster.node_types`): the node types hold the app at its largest.
+5. Placement (:mod:`specray.ops.node_types`): the node types hold the app at its largest.
 6. Provider details: an AWS security group opens only the Serve HTTP and gRPC ports to
    clients; GCP disk types name the zone the nodes launch in.
 
@@ -377,8 +377,8 @@ def _read_app(config: Mapping, base_dir: Path) -> tuple[ServedApp | None, list[s
 
 # ---- 5. the app on these node types --------------------------------------------------------------
 def _app_problems(config: Mapping, app: ServedApp) -> list[str]:
-    from specray.cluster.node_types import PlacementAsk, from_ray_up, placement_problems
     from specray.cluster.scaling_rules import AutoscalingSettings
+    from specray.ops.node_types import PlacementAsk, from_ray_up, placement_problems
 
     problems = []
     args = app.args

@@ -1,6 +1,6 @@
 """Protobuf messages of the draft <-> target contract, and their validation.
 
-Every inbound message is validated before use (DESIGN.md section 3): shapes, token ids in
+Every inbound message is validated before use (docs/design.md section 3): shapes, token ids in
 range, k <= MAX_SPEC_LEN, q finite, non-negative and summing to 1 within a tolerance, and q > 0
 at every drafted token. A block that fails raises :class:`InvalidMessageError`; the caller
 drops it and runs that round target-only, so it never reaches the sampler.

@@ -1,4 +1,4 @@
-"""Exact wire encodings of a draft distribution q (DESIGN.md 1.2 and 3).
+"""Exact wire encodings of a draft distribution q (docs/design.md 1.2 and 3).
 
 A compressed q is a *different proposal*, not an approximation: the draft samples from
 ``decode(encode(q))`` and the target verifies against the same decoded q, so exactness holds

@@ -208,13 +208,13 @@ class SamplingParams:
         """Rebuild parameters that were validated at the public edge and crossed an internal
         wire (:mod:`specray.protocol`): no second validation, only the field types restored."""
         params = object.__new__(cls)
-        for f in fields(cls):
-            value = values[f.name]
-            if f.name == "logit_bias":
+        for name in _FIELD_NAMES:
+            value = values[name]
+            if name == "logit_bias":
                 value = MappingProxyType({int(key): float(bias) for key, bias in value.items()})
-            elif f.name in TOKEN_TUPLE_FIELDS and value is not None:
+            elif name in TOKEN_TUPLE_FIELDS and value is not None:
                 value = tuple(value)
-            object.__setattr__(params, f.name, value)
+            object.__setattr__(params, name, value)
         return params
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -241,3 +241,6 @@ class SamplingParams:
         from dataclasses import replace
 
         return replace(self, seed=seed, logit_bias=dict(self.logit_bias))
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))

@@ -1,7 +1,7 @@
 """The one transform from raw logits + token history to a probability distribution.
 
 Draft and target both call :meth:`LogitsPipeline.probs`, so every distribution used for a
-decision (draft sampling, acceptance, residual, bonus) comes from the same rules (DESIGN.md
+decision (draft sampling, acceptance, residual, bonus) comes from the same rules (docs/design.md
 1.1). History-dependent rules see the history *at that position*: the prompt, the committed
 output, and the candidate tokens before the position.
 

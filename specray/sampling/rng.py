@@ -2,7 +2,7 @@
 
 The global RNG is never touched. Because a draw depends only on its key, a request's output
 is the same whatever the batch it ran in, how its rounds were cut into blocks, whether it was
-retried or which replica served it (DESIGN.md 1.6).
+retried or which replica served it (docs/design.md 1.6).
 
 Why reusing keys is still exact: a round at output positions ``n .. n+k`` commits tokens up to
 the first rejection ``j`` using only draws keyed at positions ``<= j``; draws keyed after ``j``

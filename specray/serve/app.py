@@ -12,11 +12,10 @@ from __future__ import annotations
 from ray import serve
 from ray.serve import Application
 
-from specray.cluster.node_types import REPLICA_SLIVER
 from specray.serve import deployments as d
-from specray.serve.config import REPLICA_CPUS_DEFAULT, AppArgs
+from specray.serve.config import REPLICA_CPUS_DEFAULT, REPLICA_SLIVER, AppArgs
 
-INGRESS_MAX_ONGOING = 4096  # the ingress only forwards; admission control is the coordinator's
+INGRESS_MAX_ONGOING = 4096  # admission control is the engine cores'; the ingress forwards
 
 
 def build_app(args: AppArgs | dict) -> Application:
@@ -58,9 +57,6 @@ def build_app(args: AppArgs | dict) -> Application:
         name="Coordinator",
         **_scaling("Coordinator", args, args.num_target_groups),
         ray_actor_options=cpus,
-        # Above the coordinator's own limits: its admission control answers overload at once
-        # (a 503 naming the queue) instead of Serve queueing silently in front of it.
-        max_ongoing_requests=args.max_running + args.max_queue + 16,
         health_check_period_s=5,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=60,

@@ -102,8 +102,8 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     from pydantic import ValidationError
 
+    from specray.cluster.distributed import connect
     from specray.cluster.placement import PlacementConfig
-    from specray.distributed import connect
     from specray.serve import launch
 
     try:

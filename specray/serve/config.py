@@ -9,11 +9,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specray.cluster.coordinator import CoordinatorConfig
 from specray.cluster.placement import PlacementConfig
+from specray.engine_core.coordinator_config import (
+    DEFAULT_DRAFT_DEADLINE_S,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    CoordinatorConfig,
+)
 
 DEFAULT_GRPC_PORT = 50051
 REPLICA_CPUS_DEFAULT = 0.05  # Serve replica processes mostly wait on their actors
+REPLICA_SLIVER = 0.001  # the share of a node resource a replica asks to be placed by it (app.py)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the bundled default target
 
 
@@ -31,11 +36,11 @@ class AppArgs(BaseModel):
     num_draft_workers: int = Field(1, ge=1)  # per target group: the pool, or its floor
     max_draft_workers: int | None = Field(None, ge=1)  # per group: autoscaling ceiling (or fixed)
     draft_probs_encoding: str = "fp32"
-    num_speculative_tokens: int = Field(4, ge=0, le=32)
+    num_speculative_tokens: int = Field(DEFAULT_NUM_SPECULATIVE_TOKENS, ge=0, le=32)
     max_running: int = Field(64, ge=1)
     max_queue: int = Field(256, ge=0)
     num_micro_batches: int = Field(2, ge=1, le=16)
-    draft_deadline_s: float = Field(5.0, gt=0)
+    draft_deadline_s: float = Field(DEFAULT_DRAFT_DEADLINE_S, gt=0)
     adaptive_k: bool = True  # choose k per request and round from measurements (else always k)
     # Seeded requests draft a fixed block, so their tokens depend on the seed alone (see
     # CoordinatorConfig.reproducible_seeds)

@@ -2,17 +2,19 @@
 
 - ``TargetWorker`` (one replica per target group): its placement group holds the replica
   (bundle 0) and one bundle per TP rank on one target node (STRICT_PACK); it starts the ranks
-  there and registers rank 0 in the application's registry.
+  there, starts the engine core (the round loop) on rank 0 and registers the group in the
+  application's registry.
 - ``DraftWorker`` (the autoscaled pool): each replica runs one draft-worker actor on a draft
-  node, connected to the target group the registry assigns, and reports its utilisation.
-- ``Coordinator`` (one replica per target group): claims a group, reads its draft pool from
-  the registry, and runs :class:`specray.cluster.Coordinator` on the replica's event loop
-  behind :class:`specray.serve.service.CoordinatorService`.
+  node, connected to the engine core of the group the registry assigns, and reports its
+  utilisation.
+- ``Coordinator`` (one replica per target group): claims a group and follows its engine core's
+  load (autoscaling signals), metrics and health.
 - ``Ingress``: the OpenAI-compatible HTTP API (Serve's HTTP proxy) and the public gRPC API
-  (its own server on ``grpc_port``, with health, reflection, TLS and token auth).
+  (its own server on ``grpc_port``, with health, reflection, TLS and token auth), over one
+  session with every group's engine core (:mod:`specray.serve.groups`).
 
-Every deployment has ``check_health``; shutdown drains (Serve stops routing, waits for the
-ongoing requests, then ``__del__`` stops the coordinator with ``drain=True``).
+Every deployment has ``check_health``; shutdown drains (Serve stops routing and waits for the
+ongoing requests).
 """
 
 from __future__ import annotations
@@ -21,28 +23,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import replace
 
 from ray import serve
 
-from specray.distributed import prefill_remote, propose_remote
-from specray.errors import (
-    DeadlineExceededError,
-    InvalidRequestError,
-    SpecrayError,
-    UnavailableError,
-    error_from_dict,
-    error_to_dict,
-)
-from specray.protocol import DraftItem, PrefillReport, ProposeCall, ProposeReport
 from specray.serve.config import AppArgs
-from specray.serve.protocol import GenerateRequest
 from specray.serve.registry import get_registry
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0  # replicas renew their registration this often
-POOL_REFRESH_S = 1.0  # a coordinator re-reads its draft pool this often
+POOL_REFRESH_S = 1.0  # a coordinator re-reads its engine core's load this often
 
 
 def _replica_id() -> str:
@@ -62,7 +51,8 @@ class TargetWorkerDeployment:
     async def __init__(self, args: dict):
         import ray
 
-        from specray.distributed import TargetGroup, reads_target_features
+        from specray.cluster.distributed import TargetGroup, reads_target_features
+        from specray.models.loading import load_model_info
 
         self.args = AppArgs(**args)
         self.group_id = _replica_id()
@@ -78,6 +68,14 @@ class TargetWorkerDeployment:
                 # A feature-conditioned draft reads the target's hidden states with each verdict.
                 keep_features=reads_target_features(self.args.draft),
             )
+        )
+        info = await _in_thread(load_model_info, self.args.target)
+        # The round loop runs beside rank 0's forward: front ends open sessions on it.
+        await self.group.leader.start_engine_core.remote(
+            self.args.coordinator_config(),
+            with_drafts=self.args.draft is not None,
+            max_positions=info.max_positions,
+            model_name=self.args.served_name,
         )
         await self._register()
         self._heartbeat = asyncio.create_task(self._renew())
@@ -112,7 +110,7 @@ class TargetWorkerDeployment:
 # ---- the draft pool --------------------------------------------------------------------
 class DraftWorkerDeployment:
     async def __init__(self, args: dict):
-        from specray.distributed import start_draft_actor
+        from specray.cluster.distributed import start_draft_actor
 
         self.args = AppArgs(**args)
         self.worker_id = _replica_id()
@@ -144,7 +142,7 @@ class DraftWorkerDeployment:
         if assignment is None:
             return False
         if assignment["address"] != self.address:
-            await self.actor.connect.remote(assignment["address"])
+            await self.actor.connect.remote(assignment["address"], self.worker_id)
             self.address = assignment["address"]
         await self.registry.add_draft.remote(self.worker_id, self.actor)
         return True
@@ -178,324 +176,95 @@ class DraftWorkerDeployment:
     async def __del__(self):
         import ray
 
-        self._heartbeat.cancel()
+        if hasattr(self, "_heartbeat"):  # __init__ may have failed before it
+            self._heartbeat.cancel()
         with contextlib.suppress(Exception):
             await self.registry.remove_draft.remote(self.worker_id)
-        ray.kill(self.actor)
+        if hasattr(self, "actor"):
+            ray.kill(self.actor)
 
 
-class PoolDraftBackend:
-    """A :class:`specray.cluster.backends.DraftBackend` over a pool that changes while serving:
-    workers keep their index; one that left the pool is unavailable (its requests move)."""
-
-    def __init__(self):
-        self._index: dict[str, int] = {}
-        self._handles: list = []
-        self._live: set[int] = set()
-
-    @property
-    def num_workers(self) -> int:
-        return len(self._handles)
-
-    @property
-    def num_live(self) -> int:
-        return len(self._live)
-
-    def update(self, workers: dict) -> None:
-        live = set()
-        for worker_id, handle in workers.items():
-            if worker_id not in self._index:
-                self._index[worker_id] = len(self._handles)
-                self._handles.append(handle)
-            live.add(self._index[worker_id])
-        self._live = live
-
-    def available(self, worker: int) -> bool:
-        return worker in self._live
-
-    async def prefill(self, worker: int, items: Sequence[DraftItem]) -> PrefillReport:
-        return await prefill_remote(self._handles[worker], items)
-
-    async def propose(self, worker: int, call: ProposeCall) -> ProposeReport:
-        return await propose_remote(self._handles[worker], call)
-
-    async def release(self, worker: int, request_ids: list[str]) -> None:
-        await self._handles[worker].release.remote(request_ids)
-
-    async def replace(self, worker: int) -> None:
-        # Serve restarts a dead replica (a new worker id joins); a live one is re-listed by
-        # the next refresh and takes its requests anew.
-        self._live.discard(worker)
-
-    async def held_requests(self, worker: int) -> list[str]:
-        return await self._handles[worker].held_requests.remote()
-
-
-# ---- the coordinator -------------------------------------------------------------------
+# ---- the coordinator: a target group's autoscaling signals and metrics ------------------
 class CoordinatorDeployment:
+    """Claims one target group and follows its engine core (which runs the round loop beside
+    the group's rank 0): its load for the autoscaling policy, its metrics for the registry,
+    its health. Requests do not pass through here: the ingress holds a session with every
+    group's engine core."""
+
     async def __init__(self, args: dict, *workers):
         # ``workers``: handles of TargetWorker / DraftWorker, bound so that Serve deploys them
-        # with this graph; the coordinator reaches their actors through the registry.
-        from specray.cluster.coordinator import Coordinator
-        from specray.distributed import RayTargetBackend
-        from specray.models.loading import load_model_info
-        from specray.serve.service import CoordinatorService
-
+        # with this graph; this replica reaches its group through the registry.
         self.args = AppArgs(**args)
         self.coordinator_id = _replica_id()
         self.registry = get_registry(_app_name())
-        info = await _in_thread(load_model_info, self.args.target)
+        self.engine: dict = {}  # the engine core's latest stats (heartbeat)
+        self._busy = (time.monotonic(), 0.0)  # (when, target compute seconds) last reported
         deadline = time.monotonic() + self.args.startup_timeout_s
         while (group := await self.registry.claim_target.remote(self.coordinator_id)) is None:
             if time.monotonic() > deadline:
                 raise RuntimeError("no target group registered before startup_timeout_s")
             await asyncio.sleep(0.5)
-        self.group_id = group["group_id"]
-        self.drafts = PoolDraftBackend() if self.args.draft else None
-        if self.drafts is not None:
-            self.drafts.update(await self.registry.drafts_of.remote(self.group_id))
-        await self._release_orphans(group["leader"])
-        self.coordinator = Coordinator(
-            RayTargetBackend(group["leader"]),
-            self.drafts,
-            self.args.coordinator_config(),
-            vocab_size=info.vocab_size,
-            eos_token_ids=info.eos_token_ids,
-            max_positions=info.max_positions,
-            tokenizer=info.tokenizer,
-            model_name=self.args.served_name,
-            request_id_prefix=f"{self.coordinator_id}-",
-        )
-        await self.coordinator.start()
-        self.service = CoordinatorService(
-            self.coordinator,
-            tokenizer=info.tokenizer,
-            model_name=self.args.served_name,
-            draft_name=self.args.draft,
-            max_model_len=info.max_positions,
-        )
-        self._busy = (time.monotonic(), 0.0)  # (when, target compute seconds) last reported
+        self.group_id, self.leader = group["group_id"], group["leader"]
         self._heartbeat = asyncio.create_task(self._renew())
 
-    async def _release_orphans(self, leader) -> None:
-        """Free what a previous coordinator of this group left on its workers: it died with
-        requests in flight (their callers resume here), nothing else would release them, and
-        this coordinator holds none yet."""
-        handles = [leader, *(await self.registry.drafts_of.remote(self.group_id)).values()]
-        for handle in handles:
-            try:
-                held = await asyncio.wait_for(handle.held_requests.remote(), timeout=20)
-                if held:
-                    log.warning("releasing %d requests a previous coordinator left", len(held))
-                    await handle.release.remote(held)
-            except Exception as error:  # a dead worker holds nothing anyone can free
-                log.warning("could not check a worker for orphaned requests: %s", error)
-
     async def _renew(self) -> None:
-        """Keep the group's claim and follow its draft pool as the autoscaler changes it."""
+        """Keep the group's claim (a restarted group is claimed anew) and follow its engine
+        core's load and metrics."""
         last_claim = 0.0
         while True:
             await asyncio.sleep(POOL_REFRESH_S)
             try:
-                if self.drafts is not None:
-                    self.drafts.update(await self.registry.drafts_of.remote(self.group_id))
                 if time.monotonic() - last_claim > HEARTBEAT_S:
-                    await self.registry.claim_target.remote(self.coordinator_id)
-                    await self.registry.put_metrics.remote(
-                        self.coordinator_id, self.coordinator.metrics.render()
-                    )
+                    group = await self.registry.claim_target.remote(self.coordinator_id)
+                    if group is not None:
+                        self.group_id, self.leader = group["group_id"], group["leader"]
                     last_claim = time.monotonic()
+                self.engine = await self.leader.engine_core_stats.remote()
+                await self.registry.put_metrics.remote(
+                    self.coordinator_id, self.engine.get("metrics", b"")
+                )
             except Exception as error:
-                log.warning("registry refresh failed: %s", error)
-
-    async def generate(self, request: dict):
-        """Events of one request; errors travel as ``{"kind": "error"}`` events (plain values
-        rather than exceptions across Ray)."""
-        try:
-            try:
-                generate_request = GenerateRequest.from_dict(request)
-            except SpecrayError:
-                raise  # invalid input, named by GenerateRequest's own checks
-            except (TypeError, ValueError) as error:  # a malformed request record
-                raise InvalidRequestError(str(error)) from None
-            async for event in self.service.generate(generate_request):
-                yield event
-        except SpecrayError as error:
-            yield {"kind": "error", "error": error_to_dict(error)}
-        # Anything else is a bug: it reaches the ingress as Ray's error, logged there and
-        # answered as a generic internal error (its message never reaches a client).
-
-    async def abort(self, request_id: str) -> bool:
-        return await self.service.abort(request_id)
-
-    async def model_info(self) -> dict:
-        return await self.service.model_info()
-
-    async def metrics_text(self) -> bytes:
-        return await self.service.metrics_text()
-
-    async def healthy(self) -> bool:
-        return await self.service.health()
+                log.warning("engine core refresh failed: %s", error)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         from specray.cluster.scaling_rules import coordinator_stats
 
+        if not self.engine:
+            return coordinator_stats(
+                queue_depth=0.0,
+                running=0.0,
+                acceptance_rate=0.0,
+                speculating_fraction=0.0,
+                target_busy_fraction=0.0,
+            )
         # The target's busy fraction since the previous report (not since start).
-        now, busy = time.monotonic(), self.coordinator.stats.target_compute_s
+        now, busy = time.monotonic(), self.engine["stats"]["target_compute_s"]
         then, busy_then = self._busy
         self._busy = (now, busy)
         fraction = min(max((busy - busy_then) / (now - then), 0.0), 1.0) if now > then else 0.0
-        return coordinator_stats(**self.coordinator.load_signals(), target_busy_fraction=fraction)
+        return coordinator_stats(**self.engine["load"], target_busy_fraction=fraction)
 
     async def check_health(self) -> None:
-        if not self.coordinator.healthy:
-            raise RuntimeError("the coordinator's round loops stopped")
-        await asyncio.wait_for(self.coordinator.target.ping(), timeout=20)
+        await asyncio.wait_for(self.leader.ping.remote(), timeout=20)
 
     async def __del__(self):
-        self._heartbeat.cancel()
-        await self.coordinator.stop(drain=True)
+        if hasattr(self, "_heartbeat"):  # __init__ may have failed before it
+            self._heartbeat.cancel()
         with contextlib.suppress(Exception):
             await self.registry.release_claim.remote(self.coordinator_id)
 
 
 # ---- the front door --------------------------------------------------------------------
-RESUME_WINDOW_S = 120.0  # how long a failed request keeps trying to resume (no progress)
-RESUME_BACKOFF_S = 0.25  # first wait before resuming; doubles, capped at 5 s
-
-
-class _Resumable(Exception):
-    def __init__(self, error: Exception):
-        super().__init__(str(error))
-        self.error = error
-
-
-def _replica_failures() -> tuple[type[BaseException], ...]:
-    """What a dead or unreachable coordinator replica raises through a Serve handle."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
-    return (RayActorError, ActorDiedError, ActorUnavailableError)
-
-
-class ServeBackend:
-    """A :class:`specray.serve.protocol.GenerationBackend` over the Coordinator deployment."""
-
-    def __init__(self, coordinator, registry=None):
-        self.handle = coordinator
-        self.registry = registry  # several coordinators: their metrics, merged
-        self._info: dict | None = None
-        self._live: dict[str, object] = {}  # request id -> its response stream (for Abort)
-        self.resumes = 0  # requests resumed after a coordinator or target failure
-
-    async def generate(self, request: GenerateRequest):
-        """The request's events; if its coordinator or target group fails midway, it resumes
-        on a (restarted) coordinator from the tokens already delivered, for up to
-        ``RESUME_WINDOW_S`` — the caller sees one uninterrupted stream."""
-        loop = asyncio.get_running_loop()
-        deadline = None if request.timeout_s is None else loop.time() + request.timeout_s
-        emitted: list[int] = []  # token ids the caller has
-        delivered = 0  # characters of text the caller has
-        failed_since = None
-        attempt = request
-        while True:
-            stream = self.handle.options(stream=True).generate.remote(attempt.to_dict())
-            if request.request_id is not None:
-                self._live[request.request_id] = stream
-            finished, offset = False, 0  # offset: where this stream's text starts
-            try:
-                async for event in stream:
-                    kind = event["kind"]
-                    if kind == "resumed":
-                        offset = event["text_offset"]
-                        continue
-                    if kind == "error":
-                        error = error_from_dict(event["error"])
-                        if isinstance(error, UnavailableError):  # draining, target failed
-                            raise _Resumable(error)
-                        finished = True
-                        raise error
-                    if kind == "delta":
-                        emitted += event["token_ids"]
-                        start = offset
-                        offset += len(event["text"])
-                        if start < delivered:  # after a resume: part of it was delivered
-                            event = {**event, "text": event["text"][delivered - start :]}
-                        delivered = max(delivered, offset)
-                    elif kind == "final":
-                        finished = True
-                    yield event
-                    failed_since = None  # progress: a later failure gets a full window
-                    if finished:
-                        return
-                raise _Resumable(UnavailableError("the coordinator's stream ended early"))
-            except (_Resumable, *_replica_failures()) as failure:
-                cause = failure.error if isinstance(failure, _Resumable) else failure
-                now = loop.time()
-                failed_since = failed_since or now
-                if now - failed_since > RESUME_WINDOW_S:
-                    raise UnavailableError(
-                        f"the request failed and could not resume within {RESUME_WINDOW_S:.0f} s: "
-                        f"{cause}"
-                    ) from None
-                if deadline is not None and now >= deadline:
-                    raise DeadlineExceededError("the deadline passed while resuming") from None
-                self.resumes += 1
-                log.warning("resuming a request after %d tokens: %s", len(emitted), cause)
-                await asyncio.sleep(min(RESUME_BACKOFF_S * 2 ** min(self.resumes, 4), 5.0))
-                timeout = None if deadline is None else max(deadline - loop.time(), 0.001)
-                attempt = replace(request, resume_token_ids=tuple(emitted), timeout_s=timeout)
-            finally:
-                if request.request_id is not None:
-                    self._live.pop(request.request_id, None)
-                if not finished:
-                    stream.cancel()  # the coordinator's generator ends and aborts the request
-
-    async def abort(self, request_id: str) -> bool:
-        stream = self._live.get(request_id)
-        if stream is not None:
-            stream.cancel()
-            return True
-        return await self.handle.abort.remote(request_id)
-
-    async def model_info(self) -> dict:
-        if self._info is None:
-            self._info = await self.handle.model_info.remote()
-        return self._info
-
-    async def health(self) -> bool:
-        try:
-            return await asyncio.wait_for(self.handle.healthy.remote(), timeout=5)
-        except Exception:
-            return False
-
-    async def metrics_text(self) -> bytes:
-        """One coordinator: its registry, live. Several: each one's latest exposition (at
-        most a heartbeat old), merged with a ``replica`` label. Then this ingress's own."""
-        text = None
-        if self.registry is not None:
-            snapshots = await self.registry.all_metrics.remote()
-            if len(snapshots) > 1:
-                from specray.cluster.metrics import merge_expositions
-
-                text = merge_expositions(snapshots)
-        if text is None:
-            text = await self.handle.metrics_text.remote()
-        return text + self._own_metrics()
-
-    def _own_metrics(self) -> bytes:
-        name = "specray:ingress_request_resumes_total"
-        return (
-            f"# HELP {name} Requests resumed after their coordinator or target group failed.\n"
-            f"# TYPE {name} counter\n{name} {self.resumes}\n"
-        ).encode()
-
-
 class IngressDeployment:
-    async def __init__(self, args: dict, coordinator):
+    async def __init__(self, args: dict, *deployments):
+        # ``deployments``: bound so that Serve deploys them with the ingress; requests reach
+        # the target groups' engine cores over sessions (:mod:`specray.serve.groups`).
+        from specray.serve.groups import GroupsBackend
         from specray.serve.grpc_api import TLSConfig, start_grpc_server
 
         self.args = AppArgs(**args)
-        self.backend = ServeBackend(coordinator, get_registry(_app_name()))
+        self.backend = GroupsBackend(self.args, get_registry(_app_name()))
+        await self.backend.start()
         self.grpc_server = None
         if self.args.grpc_port is not None:
             tls = None
@@ -520,5 +289,7 @@ class IngressDeployment:
             raise RuntimeError("the gRPC server is not running")
 
     async def __del__(self):
-        if self.grpc_server is not None:
+        if getattr(self, "grpc_server", None) is not None:
             await self.grpc_server.stop(grace=5)
+        if hasattr(self, "backend"):
+            await self.backend.close()

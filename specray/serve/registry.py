@@ -116,6 +116,13 @@ class Registry:
             and now - draft["renewed"] <= DRAFT_TTL_S
         }
 
+    def endpoints(self) -> dict:
+        """group id -> ``{leader, address}``: where front ends open their sessions."""
+        return {
+            group_id: {"leader": target["leader"], "address": target["address"]}
+            for group_id, target in self.targets.items()
+        }
+
     def workers(self) -> dict:
         """Actor handles: ``targets`` (group id -> rank 0), ``drafts`` (worker id -> worker),
         e.g. to check that finished requests left no state behind."""

@@ -1,8 +1,10 @@
-"""Text in, events out, around one coordinator: the generation service every front end uses.
+"""Text in, events out, around one engine core: the generation service every front end uses.
 
-:class:`CoordinatorService` does what sits between an API and the token-level coordinator:
+:class:`CoordinatorService` does what sits between an API and the token-level engine core:
 tokenization and chat templates, sampling-parameter validation, stop strings, incremental
-detokenization, per-request speculation control, and aborting requests whose caller left. The
+detokenization, per-request speculation control, and aborting requests whose caller left. It
+runs in the front end's process over a session with the engine core
+(:class:`specray.engine_core.aio_client.AsyncEngineCoreClient`), which only commits tokens. The
 Ray Serve ``Coordinator`` deployment hosts one; :class:`LocalBackend` hosts one with the
 workers in this process (no Ray) for single-machine use and the front ends' tests.
 """
@@ -13,13 +15,15 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from specray.cluster.coordinator import Coordinator, CoordinatorConfig
-from specray.cluster.streams import StreamDelta
+from specray.engine_core.aio_client import AsyncEngineCoreClient
+from specray.engine_core.coordinator import CoordinatorConfig
+from specray.engine_core.streams import StreamDelta
 from specray.errors import InvalidRequestError, RequestCancelledError
 from specray.outputs import RequestOutput
+from specray.prompts import prompt_token_ids
 from specray.sampling import SamplingParams, SamplingParamsError
 from specray.serve.protocol import GenerateRequest
-from specray.serve.text import TextStream, encode_prompt
+from specray.serve.text import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +58,12 @@ def final_event(output: RequestOutput, text: str, finish_reason: str) -> dict:
 
 
 class CoordinatorService:
-    """A :class:`specray.serve.protocol.GenerationBackend` over a running coordinator, used
-    on the coordinator's event loop."""
+    """A :class:`specray.serve.protocol.GenerationBackend` over a session with a running
+    engine core."""
 
     def __init__(
         self,
-        coordinator: Coordinator,
+        coordinator: AsyncEngineCoreClient,
         *,
         tokenizer,
         model_name: str,
@@ -76,7 +80,13 @@ class CoordinatorService:
             return list(request.prompt_token_ids)
         if request.prompt is not None and not request.prompt:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
-        return encode_prompt(self.tokenizer, request.prompt, request.messages)
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "this model has no tokenizer: send prompt token ids instead of text", param="prompt"
+            )
+        if request.messages is not None:
+            return prompt_token_ids(self.tokenizer, request.messages, use_chat_template=True)
+        return prompt_token_ids(self.tokenizer, request.prompt, use_chat_template=False)
 
     @staticmethod
     def _params(request: GenerateRequest) -> SamplingParams:
@@ -121,9 +131,10 @@ class CoordinatorService:
                 delta = StreamDelta(token_ids, output)
                 piece = text.push(delta.token_ids)
                 if text.stopped:  # a stop string: end here, whatever the target would add
-                    output = self.coordinator.output_so_far(request_id) or delta.output
-                    self.coordinator.abort(request_id)
+                    output = delta.output or await self.coordinator.finish(request_id)
                     finished = True
+                    if output is None:  # it ended otherwise meanwhile (cancelled)
+                        raise RequestCancelledError(f"request {request_id} was cancelled")
                     if piece or delta.token_ids:
                         yield {"kind": "delta", "text": piece, "token_ids": delta.token_ids}
                     yield final_event(output, text.text, "stop")
@@ -148,25 +159,27 @@ class CoordinatorService:
         return self.coordinator.abort(request_id)
 
     async def model_info(self) -> dict:
-        config = self.coordinator.config
+        session = self.coordinator
         return {
             "model": self.model_name,
             "max_model_len": self.max_model_len or 0,
-            "vocab_size": self.coordinator.vocab_size,
+            "vocab_size": session.vocab_size,
             "draft": self.draft_name or "",
-            "num_speculative_tokens": config.num_speculative_tokens if self.draft_name else 0,
-            "eos_token_ids": sorted(self.coordinator.eos_token_ids),
+            "num_speculative_tokens": session.num_speculative_tokens if self.draft_name else 0,
+            "eos_token_ids": sorted(session.eos_token_ids),
         }
 
     async def health(self) -> bool:
         return self.coordinator.healthy
 
     async def metrics_text(self) -> bytes:
-        return self.coordinator.metrics.render()
+        return await self.coordinator.metrics_text()
 
 
 class LocalBackend(CoordinatorService):
-    """A coordinator with its target and draft workers in this process, on the running loop.
+    """The engine core with its target and draft workers in this process, and a session on it
+    from this loop: the same path as a served group, without Ray. Blocks still travel draft ->
+    target over gRPC on loopback.
 
     ``backend = await LocalBackend.start(target, draft)`` ... ``await backend.stop()``.
     """
@@ -184,56 +197,74 @@ class LocalBackend(CoordinatorService):
     ) -> LocalBackend:
         import asyncio
 
-        from specray.cluster.inprocess import InProcessDrafts, InProcessTarget
+        from specray.actors.draft_worker import DraftWorker
+        from specray.actors.target_worker import TargetWorker
+        from specray.engine_core.aio_client import AsyncEngineCoreClient
         from specray.models.loading import load_model_info
 
         config = config or CoordinatorConfig()
+        name = model_name or target
         loop = asyncio.get_running_loop()
         info = await loop.run_in_executor(None, load_model_info, target)
-        workers = await loop.run_in_executor(None, InProcessTarget, target)
-        drafts = None
+        worker = await loop.run_in_executor(
+            None, lambda: TargetWorker(target, 0, 1, "", verifier_host="127.0.0.1")
+        )
+        drafts = []
         if draft is not None:
-            drafts = await loop.run_in_executor(
-                None,
-                lambda: InProcessDrafts(
-                    target,
-                    draft,
-                    workers.address,
-                    num_workers=num_draft_workers,
-                    draft_probs_encoding=draft_probs_encoding,
-                ),
-            )
-        name = model_name or target
-        coordinator = Coordinator(
-            workers,
-            drafts,
-            config,
+            for _ in range(num_draft_workers):
+                drafts.append(
+                    await loop.run_in_executor(
+                        None, DraftWorker, target, draft, draft_probs_encoding
+                    )
+                )
+                drafts[-1].connect(worker.address)
+            await loop.run_in_executor(None, worker.wait_for_drafts, len(drafts))
+        await loop.run_in_executor(
+            None,
+            lambda: worker.start_engine_core(
+                config,
+                with_drafts=draft is not None,
+                max_positions=info.max_positions,
+                model_name=name,
+            ),
+        )
+
+        async def metrics_text() -> bytes:
+            return worker.engine_core.coordinator.metrics.render()
+
+        session = AsyncEngineCoreClient(
+            worker.address,
             vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids,
-            max_positions=info.max_positions,
-            tokenizer=info.tokenizer,
-            model_name=name,
+            num_speculative_tokens=config.num_speculative_tokens if draft else 0,
+            metrics_text=metrics_text,
         )
-        await coordinator.start()
+        await session.start()
         backend = cls(
-            coordinator,
+            session,
             tokenizer=info.tokenizer,
             model_name=name,
             draft_name=draft,
             max_model_len=info.max_positions,
         )
-        backend._workers = (workers, drafts)
+        backend.workers = (worker, drafts)
         return backend
+
+    @property
+    def engine(self):
+        """The engine core's coordinator (in this process: for introspection and tests)."""
+        return self.workers[0].engine_core.coordinator
 
     async def stop(self, *, drain: bool = True) -> None:
         import asyncio
 
-        await self.coordinator.stop(drain=drain)
-        target, drafts = self._workers
+        await self.coordinator.close()
+        target, drafts = self.workers
         loop = asyncio.get_running_loop()
-        if drafts is not None:
-            await loop.run_in_executor(None, drafts.close)
-        await loop.run_in_executor(None, target.close)
+        await loop.run_in_executor(None, lambda: target.stop_engine_core(drain=drain))
+        for draft in drafts:
+            draft.stop()
+        await loop.run_in_executor(None, target.stop)
 
 
 __all__ = ["CoordinatorService", "LocalBackend", "final_event"]

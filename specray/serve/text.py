@@ -1,31 +1,11 @@
-"""Text around token ids: prompts in (plain, chat template), streamed text out (incremental
-detokenization that never splits a character, stop strings that never leak a prefix)."""
+"""Streamed text out of token ids: incremental detokenization that never splits a character,
+stop strings that never leak a prefix. (Prompts in: :mod:`specray.prompts`.)"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specray.errors import InvalidRequestError
-
 REPLACEMENT_CHAR = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
-
-
-def encode_prompt(tokenizer, prompt: str | None, messages: Sequence[dict] | None) -> list[int]:
-    """Token ids of a text prompt or of chat turns rendered with the model's chat template."""
-    if tokenizer is None:
-        raise InvalidRequestError(
-            "this model has no tokenizer: send prompt token ids instead of text", param="prompt"
-        )
-    if messages is not None:
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise InvalidRequestError(
-                "this model has no chat template: use completions instead", param="messages"
-            )
-        encoded = tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True
-        )
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
 
 class TextStream:

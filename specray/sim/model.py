@@ -16,8 +16,8 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from specray.cluster.coordinator import CoordinatorConfig
-from specray.cluster.policy import DraftCost, PolicyConfig, VerifyCost
+from specray.engine_core.coordinator import CoordinatorConfig
+from specray.engine_core.policy import DraftCost, PolicyConfig, VerifyCost
 from specray.sim.traces import acceptance_from_traces
 
 DEFAULT_COORDINATOR_OVERHEAD_S = 0.0015  # one Ray actor call, measured at ≈1.4 ms on this host

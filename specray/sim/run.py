@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from specray.cluster.coordinator import Coordinator
+from specray.engine_core.coordinator import Coordinator
 from specray.errors import OverloadedError
 from specray.outputs import RequestOutput, ServedSummary, percentile
 from specray.sampling import SamplingParams

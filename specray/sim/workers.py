@@ -1,6 +1,6 @@
 """Simulated target group and draft workers for the coordinator, on virtual time.
 
-They implement :class:`specray.cluster.backends.TargetBackend` / ``DraftBackend`` with the same
+They implement :class:`specray.engine_core.backends.TargetBackend` / ``DraftBackend`` with the same
 items and reply fields as the real workers (:mod:`specray.actors`), but instead of running
 models they spend virtual time from a :class:`~specray.sim.model.LatencyModel` and draw the
 number of accepted drafts from an :class:`~specray.sim.model.AcceptanceModel`. Every committed

@@ -62,6 +62,30 @@ class Verdict(_message.Message):
     features_start: int
     def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., dropped_reason: _Optional[str] = ..., target_features: _Optional[_Union[Tensor, _Mapping]] = ..., features_start: _Optional[int] = ...) -> None: ...
 
+class DraftUp(_message.Message):
+    __slots__ = ("worker_id", "blocks", "replies")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    blocks: _containers.RepeatedCompositeFieldContainer[DraftBlock]
+    replies: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[DraftBlock, _Mapping]]] = ..., replies: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DraftDown(_message.Message):
+    __slots__ = ("verdicts", "command")
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
+    command: bytes
+    def __init__(self, verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., command: _Optional[bytes] = ...) -> None: ...
+
+class FrontendMessage(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -36,8 +36,8 @@ class VerifierStub:
         """
         self.Exchange = channel.stream_stream(
                 '/specray.v1.Verifier/Exchange',
-                request_serializer=specray_dot_v1_dot_speculation__pb2.DraftBlock.SerializeToString,
-                response_deserializer=specray_dot_v1_dot_speculation__pb2.Verdict.FromString,
+                request_serializer=specray_dot_v1_dot_speculation__pb2.DraftUp.SerializeToString,
+                response_deserializer=specray_dot_v1_dot_speculation__pb2.DraftDown.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/specray.v1.Verifier/Health',
@@ -50,7 +50,8 @@ class VerifierServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Exchange(self, request_iterator, context):
-        """Draft blocks in, verdicts out, on one long-lived stream per draft worker.
+        """Blocks and reports in, verdicts and commands out, on one long-lived stream per draft
+        worker.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -67,8 +68,8 @@ def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Exchange': grpc.stream_stream_rpc_method_handler(
                     servicer.Exchange,
-                    request_deserializer=specray_dot_v1_dot_speculation__pb2.DraftBlock.FromString,
-                    response_serializer=specray_dot_v1_dot_speculation__pb2.Verdict.SerializeToString,
+                    request_deserializer=specray_dot_v1_dot_speculation__pb2.DraftUp.FromString,
+                    response_serializer=specray_dot_v1_dot_speculation__pb2.DraftDown.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -101,8 +102,8 @@ class Verifier:
             request_iterator,
             target,
             '/specray.v1.Verifier/Exchange',
-            specray_dot_v1_dot_speculation__pb2.DraftBlock.SerializeToString,
-            specray_dot_v1_dot_speculation__pb2.Verdict.FromString,
+            specray_dot_v1_dot_speculation__pb2.DraftUp.SerializeToString,
+            specray_dot_v1_dot_speculation__pb2.DraftDown.FromString,
             options,
             channel_credentials,
             insecure,
@@ -130,6 +131,80 @@ class Verifier:
             '/specray.v1.Verifier/Health',
             specray_dot_v1_dot_speculation__pb2.HealthRequest.SerializeToString,
             specray_dot_v1_dot_speculation__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class EngineCoreStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Session = channel.stream_stream(
+                '/specray.v1.EngineCore/Session',
+                request_serializer=specray_dot_v1_dot_speculation__pb2.FrontendMessage.SerializeToString,
+                response_deserializer=specray_dot_v1_dot_speculation__pb2.FrontendMessage.FromString,
+                _registered_method=True)
+
+
+class EngineCoreServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Session(self, request_iterator, context):
+        """Submissions and aborts in, one batch of every request's new tokens per round out, on one
+        long-lived stream per front end. Closing it aborts the front end's requests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EngineCoreServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=specray_dot_v1_dot_speculation__pb2.FrontendMessage.FromString,
+                    response_serializer=specray_dot_v1_dot_speculation__pb2.FrontendMessage.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'specray.v1.EngineCore', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('specray.v1.EngineCore', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class EngineCore:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specray.v1.EngineCore/Session',
+            specray_dot_v1_dot_speculation__pb2.FrontendMessage.SerializeToString,
+            specray_dot_v1_dot_speculation__pb2.FrontendMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -151,12 +151,12 @@ def exact_distribution(model_dir: str, *, conditioned: bool = True) -> dict[tupl
     import torch
 
     from specray.models.loading import load_model, load_tokenizer
-    from specray.serve.text import encode_prompt
+    from specray.prompts import prompt_token_ids
 
     loaded = load_model(model_dir, param="model")
     model = loaded.model.eval()
     tokenizer = load_tokenizer(Path(model_dir))
-    prompt = encode_prompt(tokenizer, STAT_PROMPT, None)
+    prompt = prompt_token_ids(tokenizer, STAT_PROMPT, use_chat_template=False)
 
     def top_k(ids: list[int]) -> list[tuple[int, float]]:
         with torch.no_grad():
@@ -265,7 +265,12 @@ def _actors(class_name: str) -> list:
     from ray.util.state import list_actors
 
     live_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    actors = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10_000)
+    # The connected cluster's own address: without one, the state API follows the cluster
+    # `ray start` last recorded on this machine, which may be another (or a stopped) one.
+    address = ray.get_runtime_context().gcs_address
+    actors = list_actors(
+        address=address, filters=[("state", "=", "ALIVE")], detail=True, limit=10_000
+    )
     return [a for a in actors if a.class_name == class_name and a.node_id in live_nodes]
 
 

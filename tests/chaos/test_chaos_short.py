@@ -19,9 +19,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.chaos.run import ALPHA
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.ray  # its own cluster, in a child process (not the cluster fixture)
 
 
 def test_short_chaos_run_loses_nothing_and_stays_exact(tmp_path):

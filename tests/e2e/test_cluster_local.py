@@ -22,6 +22,7 @@ from specray.ops.processes import pid_alive, session_members, stop_session
 from tests.helpers.tiny_models import save_tiny_chat_pair
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.ray  # its own cluster, `ray start` processes (not the cluster fixture)
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ import grpc
 import httpx
 import pytest
 
-from specray.cluster.coordinator import CoordinatorConfig
+from specray.engine_core.coordinator import CoordinatorConfig
 from specray.serve.grpc_api import start_grpc_server
 from specray.serve.openai_api import build_http_app
 from specray.serve.service import LocalBackend
@@ -62,7 +62,7 @@ class Served:
         return self.run(send())
 
     def idle(self) -> bool:
-        coordinator = self.backend.coordinator
+        coordinator = self.backend.engine
         return coordinator.num_running == 0 and coordinator.num_waiting == 0
 
 
@@ -92,7 +92,7 @@ def served(tmp_path_factory):
         return backend, server, port, clients
 
     backend, server, port, clients = asyncio.run_coroutine_threadsafe(start(), loop).result(300)
-    served = Served(loop, backend, backend.coordinator.vocab_size, f"127.0.0.1:{port}", clients)
+    served = Served(loop, backend, backend.engine.vocab_size, f"127.0.0.1:{port}", clients)
     yield served
 
     async def stop():

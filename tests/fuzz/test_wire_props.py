@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import event, given
 from hypothesis import strategies as st
 
+from specray.engine_core.draft_streams import StreamDraftPool
 from specray.rpc.inbox import BlockInbox
 from specray.rpc.messages import (
     MAX_MESSAGE_BYTES,
@@ -312,7 +313,7 @@ def test_message_size_limits_are_explicit_and_fit_an_honest_block():
 @pytest.fixture(scope="module")
 def verifier():
     inbox = BlockInbox()
-    server, address = start_server(VerifierServicer(inbox, VOCAB))
+    server, address = start_server(VerifierServicer(inbox, VOCAB, StreamDraftPool()))
     channel = grpc.insecure_channel(address, options=grpc_options())
     grpc.channel_ready_future(channel).result(timeout=30)
     exchange = channel.stream_stream("/specray.v1.Verifier/Exchange")  # raw bytes both ways
@@ -343,20 +344,21 @@ def _exchange(exchange, payloads: list[bytes]) -> grpc.StatusCode:
     payloads=st.lists(
         st.one_of(
             st.binary(max_size=200),
-            hostile_blocks().map(lambda m: m.SerializeToString()),
+            hostile_blocks().map(lambda m: pb.DraftUp(blocks=[m]).SerializeToString()),
         ),
         min_size=1,
         max_size=4,
     )
 )
 def test_exchange_stream_survives_hostile_payloads(tally, verifier, payloads):
-    """Random and hostile payloads on the target's stream: the stream ends with a status (no
-    hang), and the server keeps answering. A payload protobuf cannot parse ends the stream with
-    gRPC's own INTERNAL ("Exception deserializing request!"), before check_block sees it; any
-    other stream ends OK, its invalid blocks dropped one by one."""
+    """Random and hostile payloads on the target's stream (after a draft worker's first
+    message): the stream ends with a status (no hang), and the server keeps answering. A
+    payload protobuf cannot parse ends the stream with gRPC's own INTERNAL ("Exception
+    deserializing request!"), before check_block sees it; any other stream ends OK, its invalid
+    blocks dropped one by one."""
     _, exchange, health = verifier
     tally.case()
-    code = _exchange(exchange, payloads)
+    code = _exchange(exchange, [pb.DraftUp(worker_id="fuzz").SerializeToString(), *payloads])
     event(f"stream status {code.name}")
     if any(not _parses(payload) for payload in payloads):
         assert code in (grpc.StatusCode.OK, grpc.StatusCode.INTERNAL), code
@@ -367,7 +369,7 @@ def test_exchange_stream_survives_hostile_payloads(tally, verifier, payloads):
 
 def _parses(payload: bytes) -> bool:
     try:
-        pb.DraftBlock.FromString(payload)
+        pb.DraftUp.FromString(payload)
     except DecodeError:
         return False
     return True
@@ -405,12 +407,18 @@ def test_wrong_dtype_is_refused(encoding):
         check_block(message, VOCAB)
 
 
+def _stream(*blocks: pb.DraftBlock) -> list[bytes]:
+    """A draft worker's stream: its first message, then one block a message."""
+    hello = pb.DraftUp(worker_id="fuzz").SerializeToString()
+    return [hello, *(pb.DraftUp(blocks=[block]).SerializeToString() for block in blocks)]
+
+
 def test_exchange_keeps_reading_after_a_refused_block(verifier):
     """A refused block is dropped alone: the honest block after it on the stream arrives."""
     inbox, exchange, _ = verifier
     honest = _honest("fp32", 1, 1)
     honest.request_id, honest.step = "after-crash", 1
-    _exchange(exchange, [_negative_dims_block().SerializeToString(), honest.SerializeToString()])
+    _exchange(exchange, _stream(_negative_dims_block(), honest))
     taken = inbox.take([("after-crash", 1)], time.monotonic() + 2)
     assert ("after-crash", 1) in taken
 
@@ -433,6 +441,6 @@ def test_exchange_keeps_reading_after_a_crashing_check(verifier, monkeypatch):
     crashing.request_id, crashing.step = "crash", 1
     honest = _honest("fp32", 1, 1)
     honest.request_id, honest.step = "after-crash-2", 1
-    _exchange(exchange, [crashing.SerializeToString(), honest.SerializeToString()])
+    _exchange(exchange, _stream(crashing, honest))
     taken = inbox.take([("after-crash-2", 1)], time.monotonic() + 2)
     assert ("after-crash-2", 1) in taken

@@ -9,8 +9,8 @@ import pytest
 import ray
 
 from specray import Engine, SamplingParams
-from specray.cluster.coordinator import CoordinatorConfig
 from specray.distill.student import save_draft
+from specray.engine_core.coordinator import CoordinatorConfig
 from tests.integration.test_coordinator import ALPHA, PIPELINED, _sample_and_fit
 from tests.statistical.test_feature_draft import random_feature_draft
 
@@ -55,7 +55,7 @@ def test_greedy_identity_and_the_features_arrive(cluster, tiny_pair, fc_draft_di
         assert engine.backend.feature_conditioned
         outputs = engine.generate(PROMPTS, GREEDY)
         draft_stats, target_stats = _feature_stats(engine)
-        wire_bytes = engine.runner.coordinator.stats.draft_bytes
+        wire_bytes = engine.engine_stats()["stats"]["draft_bytes"]
     finally:
         engine.shutdown()
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]

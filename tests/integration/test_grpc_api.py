@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import specray
 from specray.client import AsyncClient, Client, SpecrayClientError
-from specray.cluster.coordinator import CoordinatorConfig
+from specray.engine_core.coordinator import CoordinatorConfig
 from specray.serve.grpc_api import SERVICE_NAME, TLSConfig, start_grpc_server
 from specray.serve.service import LocalBackend
 from specray.v1 import generation_pb2 as pb
@@ -164,7 +164,7 @@ class Served:
         return f"127.0.0.1:{self.port}"
 
     def in_flight(self, request_id: str) -> bool:
-        return self.backend.coordinator.output_so_far(request_id) is not None
+        return self.backend.engine.output_so_far(request_id) is not None
 
     def wait_released(self, request_id: str, timeout_s: float = 2.0) -> None:
         """Wait until the coordinator no longer holds ``request_id`` (its workers freed it);

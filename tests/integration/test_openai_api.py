@@ -21,7 +21,7 @@ import openai
 import pytest
 import uvicorn
 
-from specray.cluster.coordinator import CoordinatorConfig
+from specray.engine_core.coordinator import CoordinatorConfig
 from specray.serve.openai_api import MAX_BODY_BYTES, build_http_app
 from specray.serve.service import LocalBackend
 from tests.helpers.tiny_models import save_tiny_chat_pair
@@ -49,12 +49,12 @@ class Served:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(WAIT_S)
 
     def aborted(self) -> float:
-        registry = self.backend.coordinator.metrics.registry
+        registry = self.backend.engine.metrics.registry
         labels = {"model_name": MODEL, "finished_reason": "abort"}
         return registry.get_sample_value("specray:request_success_total", labels) or 0.0
 
     def idle(self) -> bool:
-        coordinator = self.backend.coordinator
+        coordinator = self.backend.engine
         return coordinator.num_running == 0 and coordinator.num_waiting == 0
 
 
@@ -564,7 +564,7 @@ def test_stream_disconnect_aborts_the_request(served):
         assert reply.status_code == 200
         next(reply.iter_lines())  # generation is under way
     _wait_until(lambda: served.aborted() == aborted + 1 and served.idle())
-    assert served.run(served.backend._workers[0].held_requests()) == []
+    assert served.backend.workers[0].held_requests() == []
 
 
 def test_non_stream_disconnect_aborts_the_request(served):

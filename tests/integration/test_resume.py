@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from specray.cluster.coordinator import CoordinatorConfig
+from specray.engine_core.coordinator import CoordinatorConfig
 from specray.errors import InvalidRequestError
 from specray.serve.protocol import GenerateRequest
 from specray.serve.service import LocalBackend

@@ -34,7 +34,7 @@ def servers(loop_thread):
 def local_backend(loop_thread, tmp_path_factory):
     """A real backend: the coordinator, its target worker (with the internal draft -> target
     gRPC server) and a draft worker, all in this process."""
-    from specray.cluster.coordinator import CoordinatorConfig
+    from specray.engine_core.coordinator import CoordinatorConfig
     from specray.serve.service import LocalBackend
     from tests.helpers.tiny_models import save_tiny_chat_pair
 

@@ -186,38 +186,29 @@ class _RaisingService:
 
 
 @pytest.mark.parametrize("error", [ValueError(INTERNAL_MESSAGE), TypeError(INTERNAL_MESSAGE)])
-def test_coordinator_deployment_does_not_pass_internal_errors_as_invalid_requests(error):
-    """A ValueError raised inside generation is a bug, not the client's input: it must not
-    cross to the client as ``invalid_request_error`` with its raw message."""
-    from specray.serve.deployments import CoordinatorDeployment
+def test_the_ingress_does_not_pass_internal_errors_as_invalid_requests(error):
+    """A ValueError raised inside generation is a bug, not the client's input: the ingress's
+    groups backend must not turn it into ``invalid_request_error`` (nor resume it); it reaches
+    the API layer as is, which answers a generic 500 without its message."""
+    from specray.errors import SpecrayError
+    from specray.serve.groups import Group, GroupsBackend
+    from specray.serve.protocol import GenerateRequest
 
-    deployment = object.__new__(CoordinatorDeployment)  # only .service is used by generate()
-    deployment.service = _RaisingService(error)
+    class _Session:
+        healthy, in_flight = True, 0
 
-    async def events() -> tuple[list[dict], bool]:
-        found = []
+    backend = object.__new__(GroupsBackend)  # only the groups are used by generate()
+    backend.groups = {"g": Group("g", "", None, _Session(), _RaisingService(error))}
+    backend._where, backend.resumes = {}, 0
+
+    async def events() -> BaseException:
         try:
-            async for event in deployment.generate({"prompt": "hi"}):
-                found.append(event)
-        except Exception:  # Ray carries it to the ingress, which answers a generic 500
-            return found, True
-        return found, False
+            async for _ in backend.generate(GenerateRequest(prompt="hi")):
+                pass
+        except Exception as raised:
+            return raised
+        raise AssertionError("the error vanished")
 
-    found, raised = asyncio.run(events())
-    assert raised or found, "the error vanished"
-    for event in found:
-        assert event["kind"] == "error"
-        assert_no_leak(json.dumps(event), *RAW)
-
-
-def test_coordinator_deployment_still_rejects_a_malformed_request_record():
-    from specray.serve.deployments import CoordinatorDeployment
-
-    deployment = object.__new__(CoordinatorDeployment)
-    deployment.service = _RaisingService(AssertionError("generate must not be reached"))
-
-    async def first_event() -> dict:
-        return await anext(deployment.generate({"prompt": "hi", "prompt_token_ids": [1]}))
-
-    event = asyncio.run(first_event())
-    assert (event["kind"], event["error"]["type"]) == ("error", "invalid_request_error")
+    raised = asyncio.run(events())
+    assert raised is error and not isinstance(raised, SpecrayError)
+    assert backend.resumes == 0

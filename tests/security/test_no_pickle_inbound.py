@@ -42,7 +42,7 @@ from specray.client import Client
 from specray.rpc.messages import block_to_pb
 from specray.sampling import DraftProbsEncoding, encode_draft_probs
 from specray.serve.openai_api import build_http_app
-from specray.v1 import speculation_pb2_grpc
+from specray.v1 import speculation_pb2, speculation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "specray"
@@ -188,7 +188,9 @@ def _verifier_requests(address: str, vocab_size: int) -> None:
     block = block_to_pb("security-probe", 1, 3, probs.argmax(-1).tolist(), encoded)
     with grpc.insecure_channel(address) as channel:
         stub = speculation_pb2_grpc.VerifierStub(channel)
-        assert list(stub.Exchange(iter([block]), timeout=30)) == []  # no round waits for it
+        hello = speculation_pb2.DraftUp(worker_id="security-probe")
+        up = [hello, speculation_pb2.DraftUp(blocks=[block])]
+        assert list(stub.Exchange(iter(up), timeout=30)) == []  # no round waits for it
         raw = channel.stream_stream("/specray.v1.Verifier/Exchange")
         with contextlib.suppress(grpc.RpcError):  # refused by protobuf, whatever the status
             list(raw(iter([b"\xff\xff\xff\xff"]), timeout=30))
@@ -197,15 +199,15 @@ def _verifier_requests(address: str, vocab_size: int) -> None:
 def test_no_inbound_path_unpickles(local_backend, servers, tripwire, monkeypatch):
     http_port = servers.http(build_http_app(local_backend))
     grpc_port = servers.grpc(local_backend)
-    target = local_backend._workers[0]  # the in-process TargetWorker and its Verifier
-    inbox_before = dict(target.worker.inbox.stats.__dict__)
+    target = local_backend.workers[0]  # the in-process TargetWorker and its Verifier
+    inbox_before = dict(target.inbox.stats.__dict__)
     with tripwire.arm(monkeypatch) as calls:
         _http_requests(f"http://127.0.0.1:{http_port}")
         _grpc_requests(f"127.0.0.1:{grpc_port}")
-        _verifier_requests(target.address, target.worker.vocab_size)
+        _verifier_requests(target.address, target.vocab_size)
     assert not calls, "unpickling on an inbound path:\n" + tripwire.report()
     # The draft -> target stream carried real blocks besides the probe.
-    assert target.worker.inbox.stats.received >= inbox_before["received"] + 2
+    assert target.inbox.stats.received >= inbox_before["received"] + 2
 
 
 # ---- static: the source ------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def test_the_internal_verifier_port_is_not_on_public_interfaces(local_backend):
     address = _public_address()
     if address is None:
         pytest.skip("this machine has no non-loopback IPv4 address")
-    host, port = local_backend._workers[0].address.rsplit(":", 1)
+    host, port = local_backend.workers[0].address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5):
         pass  # the draft workers' way in works
     with pytest.raises(OSError):

@@ -1,5 +1,5 @@
 """Whole generations through ``Engine.generate`` follow the target's exact sequence
-distribution (DESIGN.md 1, proof obligation (b), in-process path).
+distribution (docs/design.md 1, proof obligation (b), in-process path).
 
 Setup. Target: ``tiny_llama(5, seed=0)``; draft: a *different* tiny Llama over the same five
 tokens, the target's weights plus Gaussian noise of half each tensor's standard deviation

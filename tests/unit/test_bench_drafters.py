@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specray.bench_drafters import (
+from specray.bench.drafters import (
     DraftersBenchConfig,
     best_k,
     parse_drafters,
@@ -41,6 +41,7 @@ def test_parse_drafters():
         parse_drafters(",")
 
 
+@pytest.mark.slow  # a whole benchmark run: calibration, then every drafter timed
 def test_tiny_run_records_a_winner_that_auto_resolves_to(tmp_path):
     target, _ = save_tiny_chat_pair(tmp_path / "models")
     config = DraftersBenchConfig(

@@ -3,7 +3,7 @@ random model (figures are timings, so only their presence and consistency are ch
 
 import pytest
 
-from specray.bench_steps import StepsConfig, format_steps, run_steps_bench
+from specray.bench.steps import StepsConfig, format_steps, run_steps_bench
 from specray.models.tiny import save_tiny_model
 
 

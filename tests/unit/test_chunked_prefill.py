@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from specray.cluster.coordinator import Coordinator, CoordinatorConfig
-from specray.cluster.policy import DraftCost, VerifyCost, prefill_chunks
+from specray.engine_core.coordinator import Coordinator, CoordinatorConfig
+from specray.engine_core.policy import DraftCost, VerifyCost, prefill_chunks
 from specray.sampling import SamplingParams
 from specray.sim.clock import run_virtual
 from specray.sim.model import AcceptanceModel, LatencyModel

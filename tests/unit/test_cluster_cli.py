@@ -124,6 +124,7 @@ def test_application_status_reads_serve_status_output():
     assert cloud.application_status("no serve here", "specray") == "NOT_STARTED"
 
 
+@pytest.mark.slow  # a fresh Python process through the shell script
 def test_the_cluster_local_script_is_the_cli(tmp_path):
     script = ROOT / "scripts" / "cluster-local"
     result = subprocess.run(

@@ -3,8 +3,8 @@ the rounds observed in service, and the run's mean level is what a simulation of
 
 import pytest
 
-from specray.cluster.costs import REFIT_EVERY, Costs, scaled
-from specray.cluster.policy import DraftCost, PolicyConfig, VerifyCost, choose_k
+from specray.engine_core.costs import REFIT_EVERY, Costs, scaled
+from specray.engine_core.policy import DraftCost, PolicyConfig, VerifyCost, choose_k
 
 VERIFY = VerifyCost(0.0, 0.0, 0.0, table=((1, 0.05), (8, 0.06), (64, 0.2)))
 DRAFT = DraftCost(0.0, 0.0, table=((1, 0.003), (16, 0.02)))

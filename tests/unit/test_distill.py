@@ -52,6 +52,7 @@ def uninterrupted(tiny_target, tmp_path_factory):
     return folder, summary
 
 
+@pytest.mark.slow  # a whole distillation run (or more)
 def test_end_to_end_makes_a_loadable_draft(tiny_target, uninterrupted):
     folder, summary = uninterrupted
     assert summary["data"]["answer_tokens"] > 100
@@ -72,6 +73,7 @@ def test_end_to_end_makes_a_loadable_draft(tiny_target, uninterrupted):
     assert draft_embed.data_ptr() == engine.target.model.get_input_embeddings().weight.data_ptr()
 
 
+@pytest.mark.slow  # a whole distillation run (or more)
 def test_resumed_run_ends_with_the_same_weights(tiny_target, uninterrupted, tmp_path):
     folder_a, _ = uninterrupted
     config = small_config(tiny_target)
@@ -89,6 +91,7 @@ def test_resumed_run_ends_with_the_same_weights(tiny_target, uninterrupted, tmp_
         assert torch.equal(first[name], resumed[name]), name
 
 
+@pytest.mark.slow  # a whole distillation run (or more)
 def test_same_data_and_seed_give_same_sequences(tiny_target, uninterrupted, tmp_path):
     folder_a, _ = uninterrupted
     run_distill(tmp_path, small_config(tiny_target), phase="data")
@@ -98,6 +101,7 @@ def test_same_data_and_seed_give_same_sequences(tiny_target, uninterrupted, tmp_
     assert all(torch.equal(x.token_ids, y.token_ids) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow  # a whole distillation run (or more)
 def test_resume_refuses_a_change_of_data(tiny_target, uninterrupted):
     folder, _ = uninterrupted
     changed = replace(small_config(tiny_target), seed=5)
@@ -107,6 +111,7 @@ def test_resume_refuses_a_change_of_data(tiny_target, uninterrupted):
     assert longer.train_steps == 9  # training fields may change between sessions
 
 
+@pytest.mark.slow  # a whole distillation run (or more)
 def test_draft_refuses_another_vocabulary(uninterrupted, tmp_path):
     folder, _ = uninterrupted
     other = tiny_llama(7, seed=0)
@@ -209,6 +214,7 @@ def test_draft_worker_loads_a_distilled_draft_without_the_target_weights(
     assert worker.vocab_size == target.config.vocab_size
 
 
+@pytest.mark.slow  # a background process that imports torch and trains, polled for up to 120 s
 def test_background_run_writes_its_log_and_draft(tiny_target, tmp_path, capsys):
     import time
 
@@ -232,6 +238,7 @@ def test_background_run_writes_its_log_and_draft(tiny_target, tmp_path, capsys):
 SHIPPED_LIMIT_BYTES = 25_000_000  # the shipped draft's budget inside the package
 
 
+@pytest.mark.slow  # loads the default model three times
 def test_shipped_draft_is_small_loads_and_keeps_greedy_identity(tmp_path):
     from specray.drafters import shipped_draft_dir
 

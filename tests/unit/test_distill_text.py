@@ -93,6 +93,7 @@ def test_files_are_read_in_sorted_order_and_chunked_within_the_budget(tiny_targe
     assert len(heads) == len(used) == 3 and heads[0] == first[:CHUNK]
 
 
+@pytest.mark.slow  # a whole distillation run (or more)
 def test_recorded_distributions_are_the_targets_teacher_forced_ones(tiny_target, text_run):
     folder, summary = text_run
     sequences = load_sequences(
@@ -113,6 +114,7 @@ def test_recorded_distributions_are_the_targets_teacher_forced_ones(tiny_target,
         torch.testing.assert_close(probs.max(dim=-1).values, recorded[:, 0], atol=1e-3, rtol=1e-2)
 
 
+@pytest.mark.slow  # a whole distillation run (or more)
 def test_end_to_end_with_local_text_reports_it_and_loads(tiny_target, text_dir, text_run):
     folder, summary = text_run
     tokenizer = load_model(tiny_target).tokenizer
@@ -143,6 +145,7 @@ def test_batches_mix_the_sources_and_depend_only_on_seed_and_step(tiny_target, t
         assert draw_batch(plain, step, 100, 0) == (before, [])
 
 
+@pytest.mark.slow  # a whole distillation run (or more)
 def test_lost_text_shard_and_interrupted_training_resume_identically(
     tiny_target,
     text_dir,
@@ -170,6 +173,7 @@ def test_lost_text_shard_and_interrupted_training_resume_identically(
         assert torch.equal(first[name], resumed[name]), name
 
 
+@pytest.mark.slow  # a whole distillation run (or more)
 def test_resume_refuses_a_change_of_local_text(tiny_target, text_dir, text_run):
     folder, _ = text_run
     config = text_config(tiny_target, text_dir)

@@ -1,5 +1,5 @@
 """The offline engine, deterministically: greedy identity, the draft == target oracle, bad
-input, metrics and finish reasons (DESIGN.md 1, proof obligation (c)).
+input, metrics and finish reasons (docs/design.md 1, proof obligation (c)).
 
 Two kinds of model:
   - the real default pair (SmolLM2-135M-Instruct from the bundled GGUF; the first use converts
@@ -79,6 +79,7 @@ def test_reference_is_transformers_greedy(reference_engine, reference_outputs):
     assert len(reference_outputs[1].token_ids) == REAL_MAX_TOKENS
 
 
+@pytest.mark.slow  # loads the default model once per drafter
 @pytest.mark.parametrize("draft", [None, "ngram", "default"])
 def test_speculative_greedy_equals_target_only(draft, reference_outputs):
     """k = 4 with each drafter, the three prompts in ONE batched generate call: token ids equal
@@ -96,6 +97,7 @@ def test_speculative_greedy_equals_target_only(draft, reference_outputs):
         assert outputs[2].metrics.num_accepted_tokens > 0  # the repetitive prompt
 
 
+@pytest.mark.slow  # loads the default model again, and its fp32 copy as the draft
 def test_fp32_self_draft_is_always_accepted(reference_outputs):
     """draft='self:fp32' is the target itself: greedy acceptance 1.0, output unchanged."""
     engine = Engine("default", "self:fp32", num_speculative_tokens=4)

@@ -1,4 +1,4 @@
-"""Enumeration proof of the verification rules (DESIGN.md 1, proof obligation (a) and (c)).
+"""Enumeration proof of the verification rules (docs/design.md 1, proof obligation (a) and (c)).
 
 For a tiny vocabulary (3-6 tokens) and k = 1..3 draft tokens we compute the *exact*
 distribution of the tokens committed by one stochastic verify round, by driving the real
@@ -248,7 +248,7 @@ def intervals(probs: torch.Tensor) -> list[tuple[int, float, float]]:
 
 
 def residual(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
-    """max(0, p - q) (unnormalised); p itself when that has no mass (DESIGN.md 1.3 guard)."""
+    """max(0, p - q) (unnormalised); p itself when that has no mass (docs/design.md 1.3 guard)."""
     diff = (target_row.double() - draft_row.double()).clamp(min=0.0)
     return diff if diff.sum() > DEGENERATE_RESIDUAL_MASS else target_row.double()
 

@@ -160,6 +160,7 @@ def test_features_change_q_and_are_required(target, draft):
         FeatureDrafter(ModelRunner(target), DraftProbsEncoding.parse("fp32"))
 
 
+@pytest.mark.slow  # a whole distillation run
 def test_distill_feature_conditioned_end_to_end(tiny_target, tmp_path):  # noqa: F811
     config = small_config(tiny_target, feature_conditioned=True)
     summary = run_distill(tmp_path, config)

@@ -3,7 +3,7 @@ groups): real coordinator registries in, one valid Prometheus text out, series k
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from specray.cluster.metrics import CoordinatorMetrics, merge_expositions
+from specray.engine_core.metrics import CoordinatorMetrics, merge_expositions
 
 
 def test_merged_exposition_keeps_each_replica_and_every_family_once():

@@ -1,4 +1,4 @@
-"""specray.cluster.node_types: does a cluster's set of node types hold the app at its largest?
+"""specray.ops.node_types: does a cluster's set of node types hold the app at its largest?
 Pure functions on hand-made node types; every "does not fit" case sits one unit short of a
 case that fits."""
 
@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from specray.cluster.node_types import (
-    REPLICA_SLIVER,
+from specray.ops.node_types import (
     NodeType,
     PlacementAsk,
     fits,
     from_ray_up,
     placement_problems,
 )
-from specray.serve.config import REPLICA_CPUS_DEFAULT, AppArgs
+from specray.serve.config import REPLICA_CPUS_DEFAULT, REPLICA_SLIVER, AppArgs
 
 HEAD = NodeType("head", {"CPU": 0}, max_nodes=1, is_head=True)
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from specray.cluster.policy import (
+from specray.engine_core.policy import (
     AcceptanceEstimator,
     DraftCost,
     PolicyConfig,

@@ -476,7 +476,7 @@ def test_deterministic_corner_cases() -> None:
 
 
 def test_batch_rows_do_not_depend_on_each_other() -> None:
-    """A request's round is the same alone or inside a batch (DESIGN.md 1.6)."""
+    """A request's round is the same alone or inside a batch (docs/design.md 1.6)."""
     rows = [block_inputs(seed=seed) for seed in range(3)]
     uniforms = [VerifyUniforms.draw(KeyedRandom(seed), 3, 7) for seed in range(3)]
     batch = verify_batch(

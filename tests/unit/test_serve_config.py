@@ -54,8 +54,8 @@ def test_the_graph_has_stable_names_tp_bundles_and_draft_placement():
     draft_options = graph["DraftWorker"].ray_actor_options
     assert "l4" in draft_options["resources"]
     assert graph["DraftWorker"].num_replicas == 2
-    # Serve lets more requests through than the coordinator admits: its 503 comes first.
-    assert graph["Coordinator"].max_ongoing_requests > args.max_running + args.max_queue
+    # Serve lets more requests through than the engine core admits: its 503 comes first.
+    assert graph["Ingress"].max_ongoing_requests > args.max_running + args.max_queue
     assert graph["TargetWorker"].num_replicas == 1
     assert "Draft" not in str(deployments(AppArgs(draft="none")))
 

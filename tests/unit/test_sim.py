@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from specray.cluster.coordinator import Coordinator, CoordinatorConfig
-from specray.cluster.policy import DraftCost, VerifyCost
+from specray.engine_core.coordinator import Coordinator, CoordinatorConfig
+from specray.engine_core.policy import DraftCost, VerifyCost
 from specray.outputs import SpecDecodeMetrics
 from specray.protocol import (
     DraftItem,
@@ -539,7 +539,7 @@ def test_probes_at_a_large_batch_send_scouts_only():
     sixteen (which would add probe_k verified tokens to every request). Only those requests are
     handed to the draft worker (a draft prefill for a request that never drafts is waste), and
     each probe that finds no gain doubles the wait before the next: 16, 32, 64, 128 rounds."""
-    from specray.cluster.coordinator import SCOUT_REQUESTS
+    from specray.engine_core.block_length import SCOUT_REQUESTS
 
     latency = LatencyModel(
         # At batch 16 speculation pays only for a close draft (α = 1: 320 against 267 tok/s;

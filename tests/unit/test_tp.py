@@ -96,6 +96,7 @@ def _tp_worker(rank: int, world_size: int, init_method: str, out_dir: str) -> No
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow  # spawns two processes that build every model and talk over gloo
 @pytest.mark.timeout(120)  # a rank stuck in a collective fails here, not after 15 minutes
 def test_tp2_matches_unsharded(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned children

@@ -1,6 +1,6 @@
 """Speculation-length policy: choose the draft length k that maximises predicted tokens/s.
 
-Pure stdlib so the coordinator can run it every round. Model (DESIGN.md): with per-position
+Pure stdlib so the coordinator can run it every round. Model (docs/design.md): with per-position
 acceptance α_j, one target call commits E(k) = 1 + Σ_{j<=k} Π_{i<=j} α_i tokens per request.
 A round costs k·draft_step(b) + rtt_s + verify(b, k+1) unpipelined, or
 max(verify(b, k+1) + rtt_s, k·draft_step(b)) when the draft works on one micro-batch while the

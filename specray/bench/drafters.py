@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specray.bench import _run_specray, acceptance_from_mean_length, load_prompts, time_verify
+from specray.bench.main import _run_specray, acceptance_from_mean_length, load_prompts, time_verify
 from specray.drafters import measured_drafts_file, model_digest
 from specray.engine import Engine
 from specray.models.linears import cpu_model
@@ -209,7 +209,7 @@ def run_drafters_bench(config: DraftersBenchConfig) -> dict:
 def run_pipelined(config: DraftersBenchConfig, drafters: list[str]) -> list[dict]:
     """Each drafter through the coordinator (adaptive k, draft-ahead) at concurrency 1, draft and
     target on separate one-core Ray nodes, next to target-only on the same workers."""
-    from specray.bench_serving import ServingBenchConfig, run_serving_bench
+    from specray.bench.serving import ServingBenchConfig, run_serving_bench
 
     rows = []
     for drafter in drafters:

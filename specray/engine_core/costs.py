@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from specray.cluster.policy import DraftCost, VerifyCost, fit_draft_cost, fit_verify_cost
+from specray.engine_core.policy import DraftCost, VerifyCost, fit_draft_cost, fit_verify_cost
 
 COST_SAMPLES = 256  # recent timing samples kept for the fits
 REFIT_EVERY = 8  # refit every this many samples (a fit costs ~ms of CPU)

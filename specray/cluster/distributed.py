@@ -1,32 +1,21 @@
-"""The distributed workers: one target group (TP ranks on one target node) and a pool of draft
-workers on draft nodes, as Ray actors; plus the async adapters the coordinator drives them by.
+"""Starting the distributed workers as Ray actors: one target group (TP ranks on one target
+node; rank 0 hosts the engine core, :mod:`specray.engine_core.host`) and a pool of draft
+workers on draft nodes, each connected to the engine core over its own stream.
 
-Draft workers stream blocks with their q straight to the target group's rank 0 over gRPC; the
-coordinator only tells each side which requests to work on (:mod:`specray.cluster.coordinator`).
-A failed draft worker is replaced in the background while its requests run target-only.
+Ray places, starts and replaces these processes; it carries no per-round traffic. A draft
+worker that dies is replaced by the backend's supervisor while its requests run target-only.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
-from collections.abc import Sequence
 
 from specray.cluster.placement import PlacementConfig
-from specray.protocol import (
-    DraftItem,
-    PrefillReport,
-    ProposeCall,
-    ProposeReport,
-    RoundReport,
-    VerifyRound,
-    decode,
-    encode,
-)
 
 log = logging.getLogger(__name__)
-DEFAULT_DRAFT_DEADLINE_S = 5.0  # how long the target waits for a block before going alone
 LOCAL_NODE_RESOURCES = 8.0  # draft / target units an embedded one-node cluster advertises
 DRAFT_WORKER_CONCURRENCY = 4  # a waiting call must be able to arrive to stop a draft-ahead
 
@@ -75,6 +64,7 @@ class TargetGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from specray.actors.ray_calls import counted
         from specray.actors.target_worker import TargetWorker
 
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
@@ -85,7 +75,9 @@ class TargetGroup:
             ray.get(group.ready(), timeout=120)
         self.group = group
         init_method = f"file:///tmp/specray-tp-{uuid.uuid4().hex}"
-        worker = ray.remote(concurrency_groups=TargetWorker.CONCURRENCY_GROUPS)(TargetWorker)
+        worker = ray.remote(concurrency_groups=TargetWorker.CONCURRENCY_GROUPS)(
+            counted(TargetWorker)
+        )
         self.ranks = [
             worker.options(
                 **placement.target_rank_options(),
@@ -145,10 +137,11 @@ def start_draft_actor(target: str, draft: str, encoding: str, placement: Placeme
     import ray
 
     from specray.actors.draft_worker import DraftWorker
+    from specray.actors.ray_calls import counted
 
     options = placement.draft_options() | {"max_concurrency": DRAFT_WORKER_CONCURRENCY}
     return (
-        ray.remote(DraftWorker)
+        ray.remote(counted(DraftWorker))
         .options(**options)
         .remote(target, draft, encoding, placement.num_threads)
     )
@@ -185,48 +178,69 @@ class DistributedBackend:
         self.leader = self.target_group.leader
         self.address = self.target_group.address
         self.drafts: list = []
-        self._ready: list = []  # per worker: a pending start, or None once ready
         self.draft_restarts = 0
+        self._lifelines: dict = {}  # a never-returning call per draft actor -> its index
+        self._stopping = threading.Event()
         if draft is not None:
-            for _ in range(num_draft_workers):
-                self.drafts.append(None)
-                self._ready.append(None)
-                self._start_draft(len(self.drafts) - 1)
-            ray.get(self._ready)  # the first workers are waited for; replacements are not
-            self._ready = [None] * num_draft_workers
+            self.drafts = [self._new_draft() for _ in range(num_draft_workers)]
+            ray.get([actor.connect.remote(self.address) for actor in self.drafts])
+            self._lifelines = {actor.lifeline.remote(): i for i, actor in enumerate(self.drafts)}
+            threading.Thread(target=self._supervise, name="draft-supervisor", daemon=True).start()
 
-    def _start_draft(self, index: int) -> None:
-        actor = start_draft_actor(
+    def _new_draft(self):
+        return start_draft_actor(
             self._target_spec, self._draft_spec, self._encoding, self.placement
         )
-        self.drafts[index] = actor
-        self._ready[index] = actor.connect.remote(self.address)
 
-    def draft_available(self, index: int) -> bool:
-        """True when the worker can take work; finishes a pending replacement start."""
+    def _supervise(self) -> None:
+        """Replace a draft worker whose process died: Ray places the new one, which connects
+        to the engine core by itself; meanwhile its requests run target-only."""
         import ray
 
-        pending = self._ready[index]
-        if pending is None:
-            return True
-        done, _ = ray.wait([pending], timeout=0)
-        if not done:
-            return False
-        try:
-            ray.get(pending)
-        except ray.exceptions.RayError as error:
-            log.warning("replacement draft worker failed to start: %s", error)
-            self._start_draft(index)
-            return False
-        self._ready[index] = None
-        return True
+        while not self._stopping.is_set():
+            ready, _ = ray.wait(list(self._lifelines), num_returns=1, timeout=0.5)
+            for ref in ready:
+                index = self._lifelines.pop(ref)
+                if self._stopping.is_set():
+                    return
+                log.warning("draft worker %d died; starting a replacement", index)
+                self.draft_restarts += 1
+                actor = self.drafts[index] = self._new_draft()
+                actor.connect.remote(self.address)
+                self._lifelines[actor.lifeline.remote()] = index
 
-    def replace_draft(self, index: int) -> None:
+    def start_engine(
+        self,
+        config,
+        *,
+        max_positions: int | None = None,
+        model_name: str = "default",
+        with_drafts: bool = True,
+        timeout_s: float = 120.0,
+    ) -> str:
+        """Start the engine core on rank 0 with ``config`` (a CoordinatorConfig) once every
+        draft worker has connected (``with_drafts=False``: target-only, drafts or not);
+        returns the address front ends open sessions on."""
         import ray
 
-        self.draft_restarts += 1
-        ray.kill(self.drafts[index], no_restart=True)
-        self._start_draft(index)
+        with_drafts = with_drafts and bool(self.drafts)
+        address = ray.get(
+            self.leader.start_engine_core.remote(
+                config,
+                with_drafts=with_drafts,
+                max_positions=max_positions,
+                model_name=model_name,
+            )
+        )
+        if with_drafts:
+            ray.get(self.leader.wait_for_drafts.remote(len(self.drafts), timeout_s))
+        return address
+
+    def engine_stats(self) -> dict:
+        """The engine core's totals, message counters and Prometheus text."""
+        import ray
+
+        return ray.get(self.leader.engine_core_stats.remote())
 
     def calibrate(self, batches=(1, 2, 4, 8, 16), tokens=(1, 2, 3, 5, 9)):
         """Measured costs as tables: target forwards over (batch, tokens) and draft steps over
@@ -234,7 +248,7 @@ class DistributedBackend:
         (its priors) and the latency model of ``specray simulate``."""
         import ray
 
-        from specray.cluster.policy import DraftCost, VerifyCost, tabulate
+        from specray.engine_core.policy import DraftCost, VerifyCost, tabulate
 
         grid = [(batch, count) for batch in batches for count in tokens]
         measured = ray.get(self.leader.calibrate.remote(grid))
@@ -247,6 +261,7 @@ class DistributedBackend:
     def shutdown(self) -> None:
         import ray
 
+        self._stopping.set()
         self.target_group.stop()
         for actor in self.drafts:
             ray.kill(actor)
@@ -258,59 +273,3 @@ class DistributedBackend:
         if self.drafts:
             report["draft"] = ray.get(self.drafts[0].node_id.remote())
         return report
-
-
-class RayTargetBackend:
-    """The coordinator's view of a target group: rank 0's calls, awaited on the event loop."""
-
-    def __init__(self, leader):
-        self.leader = leader  # rank 0's actor handle
-
-    async def verify(self, round_: VerifyRound) -> RoundReport:
-        return decode(await self.leader.verify_wire.remote(encode(round_)), RoundReport)
-
-    async def release(self, request_ids: list[str]) -> None:
-        await self.leader.release.remote(request_ids)
-
-    async def ping(self) -> None:
-        await self.leader.ping.remote()
-
-    async def held_requests(self) -> list[str]:
-        return await self.leader.held_requests.remote()
-
-
-async def prefill_remote(actor, items: Sequence[DraftItem]) -> PrefillReport:
-    """A DraftWorker actor's prefill, over the protocol's wire form."""
-    call = ProposeCall(tuple(items), draft_ahead=False)
-    return decode(await actor.prefill_wire.remote(encode(call)), PrefillReport)
-
-
-async def propose_remote(actor, call: ProposeCall) -> ProposeReport:
-    """A DraftWorker actor's propose, over the protocol's wire form."""
-    return decode(await actor.propose_wire.remote(encode(call)), ProposeReport)
-
-
-class RayDraftBackend:
-    """The coordinator's view of the draft pool."""
-
-    def __init__(self, backend: DistributedBackend):
-        self.backend = backend
-        self.num_workers = len(backend.drafts)
-
-    def available(self, worker: int) -> bool:
-        return self.backend.draft_available(worker)
-
-    async def prefill(self, worker: int, items: Sequence[DraftItem]) -> PrefillReport:
-        return await prefill_remote(self.backend.drafts[worker], items)
-
-    async def propose(self, worker: int, call: ProposeCall) -> ProposeReport:
-        return await propose_remote(self.backend.drafts[worker], call)
-
-    async def release(self, worker: int, request_ids: list[str]) -> None:
-        await self.backend.drafts[worker].release.remote(request_ids)
-
-    async def replace(self, worker: int) -> None:
-        self.backend.replace_draft(worker)
-
-    async def held_requests(self, worker: int) -> list[str]:
-        return await self.backend.drafts[worker].held_requests.remote()

@@ -49,6 +49,13 @@ class OverheadRow:
     tokens_per_s: float  # throughput over the whole closed-loop run
     overhead_ms_per_request: float = 0.0  # vs the engine at the same concurrency
     overhead_ms_per_token: float = 0.0
+    # Control messages per round on the distributed path (engine core counters; None where
+    # not measured): Ray calls reaching the target group, messages to and from each draft
+    # worker's stream, delta batches to the front end.
+    rounds: int | None = None
+    ray_calls_per_round: float | None = None
+    draft_messages_per_round: float | None = None
+    delta_batches_per_round: float | None = None
 
 
 def _prompt(client: int, index: int) -> str:
@@ -111,6 +118,7 @@ def _engine_rows(
     rows = []
     for concurrency in config.concurrency:
         latencies = []
+        before = engine.engine_stats() if cluster else None
         started = time.perf_counter()
         for index in range(config.requests_per_client):
             prompts = [_prompt(n, index) for n in range(concurrency)]
@@ -119,17 +127,33 @@ def _engine_rows(
             assert all(len(o.token_ids) == config.max_tokens for o in outputs)
             latencies += [time.perf_counter() - wave] * concurrency
         wall = time.perf_counter() - started
-        rows.append(_row(path, concurrency, latencies, wall, config.max_tokens))
+        row = _row(path, concurrency, latencies, wall, config.max_tokens)
+        if cluster:
+            _count_messages(row, before, engine.engine_stats())
+        rows.append(row)
     engine.shutdown()
     return rows
+
+
+def _count_messages(row: OverheadRow, before: dict, after: dict) -> None:
+    """Per-round control messages between two engine-core snapshots (the second snapshot's
+    own Ray call is not the rounds' doing)."""
+    rounds = after["stats"]["rounds"] - before["stats"]["rounds"]
+    ray_calls = sum(after["ray_calls"].values()) - sum(before["ray_calls"].values()) - 1
+    pool = ("messages_sent", "messages_received")
+    draft = sum(after["pool"][key] - before["pool"][key] for key in pool)
+    row.rounds = rounds
+    row.ray_calls_per_round = ray_calls / max(rounds, 1)
+    row.draft_messages_per_round = draft / max(rounds, 1)
+    row.delta_batches_per_round = (after["sessions"] - before["sessions"]) / max(rounds, 1)
 
 
 def _served_rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
     import ray
 
     from specray.client import Client
+    from specray.cluster.distributed import connect
     from specray.cluster.placement import PlacementConfig
-    from specray.distributed import connect
     from specray.serve import launch
     from specray.serve.config import AppArgs
 

@@ -6,7 +6,7 @@ previous one finished. For every concurrency, three schedules run on the same wo
 run: target-only, the unpipelined coordinator (one micro-batch: draft, then verify) and the
 pipelined one (two micro-batches plus draft-ahead), both with adaptive k. Reported per row:
 tokens/s, speedup over target-only, p50/p95 gap between streamed chunks, time per output token,
-target busy fraction, α, mean k, and at concurrency 1 the fraction of DESIGN.md's pipelined
+target busy fraction, α, mean k, and at concurrency 1 the fraction of docs/design.md's pipelined
 bound ``E / max(verify(K+1)/verify(1) + r/T, K·c)`` reached. Then the simulator predicts every
 row from the costs observed in it and the acceptance traces of the run's outputs (recorded
 after the runs with the same drafter, :mod:`specray.sim.traces`): the simulator-vs-real check.
@@ -14,19 +14,24 @@ after the runs with the same drafter, :mod:`specray.sim.traces`): the simulator-
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
+from types import SimpleNamespace
 
-from specray.bench import acceptance_from_mean_length, load_prompts
-from specray.cluster.coordinator import DEFAULT_DRAFT_PRIOR, Coordinator, CoordinatorConfig
-from specray.cluster.costs import scaled
-from specray.cluster.local import CoordinatorThread
+from specray.bench.main import acceptance_from_mean_length, load_prompts
 from specray.cluster.placement import PlacementConfig
-from specray.engine import chat_token_ids
+from specray.engine_core.client import EngineCoreClient
+from specray.engine_core.coordinator_config import (
+    DEFAULT_DRAFT_DEADLINE_S,
+    DEFAULT_DRAFT_PRIOR,
+    CoordinatorConfig,
+)
+from specray.engine_core.costs import scaled
 from specray.outputs import ServedSummary, percentile
+from specray.prompts import prompt_token_ids
 from specray.sampling import SamplingParams
 
 MODES = ("target-only", "unpipelined", "pipelined")
@@ -42,7 +47,7 @@ class ServingBenchConfig:
     num_speculative_tokens: int = 8  # the largest k the policy may choose
     temperature: float = 0.0
     draft_probs_encoding: str = "top64"  # sparse q: ~0.5 kB per drafted token instead of 196 kB
-    draft_deadline_s: float = 5.0  # how long the target waits for a block before going alone
+    draft_deadline_s: float = DEFAULT_DRAFT_DEADLINE_S
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "requests_per_client", "num_speculative_tokens"):
@@ -88,49 +93,53 @@ def _mode_config(
     )
 
 
-async def _closed_loop(coordinator: Coordinator, prompts, params, concurrency, per_client):
+def _closed_loop(client, prompts, params, concurrency, per_client) -> list:
     """``concurrency`` clients, each sending ``per_client`` prompts one after the other."""
+    results: list[list] = [[] for _ in range(concurrency)]
+    errors: list[BaseException] = []
 
-    async def client(index: int) -> list:
-        outputs = []
-        for turn in range(per_client):
-            prompt = prompts[(index * per_client + turn) % len(prompts)]
-            stream = await coordinator.submit(prompt, params)
-            outputs.append(await stream.result())
-        return outputs
+    def client_loop(index: int) -> None:
+        try:
+            for turn in range(per_client):
+                prompt = prompts[(index * per_client + turn) % len(prompts)]
+                results[index].append(client.submit(prompt, params).result())
+        except BaseException as error:  # surfaced below, not lost in a thread
+            errors.append(error)
 
-    results = await asyncio.gather(*(client(index) for index in range(concurrency)))
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
     return [output for outputs in results for output in outputs]
 
 
 def _run_mode(backend, info, mode, config, concurrency, prompts, params, calibration) -> dict:
-    from specray.distributed import RayDraftBackend, RayTargetBackend
+    """One row: the engine core on the target's rank 0 with this mode's settings, driven by
+    ``concurrency`` closed-loop clients over one session."""
+    import ray
 
     coordinator_config = _mode_config(mode, config, concurrency, calibration)
-    runner = CoordinatorThread(
-        lambda: Coordinator(
-            RayTargetBackend(backend.leader),
-            RayDraftBackend(backend) if mode != "target-only" else None,
-            coordinator_config,
-            vocab_size=info.vocab_size,
-            eos_token_ids=info.eos_token_ids,
-            max_positions=info.max_positions,
-            request_id_prefix=f"c{concurrency}-{mode}-",
-        )
+    address = backend.start_engine(
+        coordinator_config,
+        max_positions=info.max_positions,
+        with_drafts=mode != "target-only",
     )
-    coordinator = runner.coordinator
+    client = EngineCoreClient(address)
     try:
         # Warm-up: one short request fits the cost model before the clock starts.
-        runner.call(_closed_loop(coordinator, prompts[:1], params, 1, 1))
-        runner.call(_reset(coordinator))
+        _closed_loop(client, prompts[:1], params, 1, 1)
+        ray.get(backend.leader.reset_engine_stats.remote())
         started = time.perf_counter()
-        outputs = runner.call(
-            _closed_loop(coordinator, prompts, params, concurrency, config.requests_per_client)
-        )
+        outputs = _closed_loop(client, prompts, params, concurrency, config.requests_per_client)
         wall_s = time.perf_counter() - started
-        stats, costs = coordinator.stats, coordinator.costs
+        core = backend.engine_stats()
     finally:
-        runner.stop()
+        client.close()
+        ray.get(backend.leader.stop_engine_core.remote())
+    stats, costs = SimpleNamespace(**core["stats"]), core["costs"]
     summary = ServedSummary.of(outputs)
     metrics, tokens, gaps, tpot = (
         summary.metrics, summary.tokens, summary.chunk_gaps_s, summary.tpot_s
@@ -182,12 +191,8 @@ def _run_mode(backend, info, mode, config, concurrency, prompts, params, calibra
     }
 
 
-async def _reset(coordinator: Coordinator) -> None:
-    coordinator.reset_stats()
-
-
 def pipelined_bound(row: dict, calibration) -> float:
-    """DESIGN.md section 5 at batch 1: E / max(verify(K+1)/verify(1) + r/T, K·c), with the
+    """docs/design.md section 5 at batch 1: E / max(verify(K+1)/verify(1) + r/T, K·c), with the
     measured acceptance and mean K of the row and the costs calibrated on the workers."""
     verify, draft = calibration
     k = max(round(row["mean_k"]), 1)
@@ -251,16 +256,50 @@ def simulated_tokens_per_s(
     return result["tokens_per_s"]
 
 
+def _in_process_row(config: ServingBenchConfig, concurrency: int, prompts, params) -> dict:
+    """The in-process ``Engine`` with the same drafter and prompts, for reference: waves of
+    ``concurrency`` prompts (it batches what it is given; no admission or pipelining), with
+    both cores to itself where each distributed worker has one."""
+    from specray import Engine
+
+    engine = Engine(
+        config.target,
+        draft=config.draft,
+        num_speculative_tokens=min(config.num_speculative_tokens, 4),
+        draft_probs_encoding=config.draft_probs_encoding,
+    )
+    engine.generate(prompts[:1], params)  # warm-up
+    count = concurrency * config.requests_per_client
+    chosen = [prompts[i % len(prompts)] for i in range(count)]
+    started = time.perf_counter()
+    outputs = []
+    for wave in range(0, count, concurrency):
+        outputs += engine.generate(chosen[wave : wave + concurrency], params)
+    wall_s = time.perf_counter() - started
+    summary = ServedSummary.of(outputs)
+    return {
+        "concurrency": concurrency,
+        "mode": "in-process",
+        "tokens_per_s": summary.tokens / wall_s,
+        "requests": len(outputs),
+        "tokens": summary.tokens,
+        "wall_s": wall_s,
+        "acceptance_rate": summary.metrics.acceptance_rate,
+        "mean_acceptance_length": summary.metrics.mean_acceptance_length,
+        "num_speculative_tokens": engine.num_speculative_tokens,
+    }
+
+
 def run_serving_bench(config: ServingBenchConfig) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from specray.distributed import DistributedBackend
+    from specray.cluster.distributed import DistributedBackend
     from specray.models.loading import load_model_info
 
     info = load_model_info(config.target, param="target")
     texts = [item["prompt"] for item in load_prompts(24)]
-    prompts = [chat_token_ids(info.tokenizer, text) for text in texts]
+    prompts = [prompt_token_ids(info.tokenizer, text, use_chat_template=True) for text in texts]
     params = SamplingParams(
         temperature=config.temperature, max_tokens=config.max_tokens, ignore_eos=True, seed=0
     )
@@ -309,6 +348,11 @@ def run_serving_bench(config: ServingBenchConfig) -> dict:
         del row["outputs"]
         row["simulated_tokens_per_s"] = simulated_tokens_per_s(row, config, calibration, traces)
         row["simulated_error"] = row["simulated_tokens_per_s"] / row["tokens_per_s"] - 1
+    for concurrency in config.concurrency:
+        _log(f"concurrency {concurrency}: in-process Engine")
+        row = _in_process_row(config, concurrency, prompts, params)
+        row["speedup"] = row["tokens_per_s"] / by_key[(concurrency, "target-only")]["tokens_per_s"]
+        rows.append(row)
     return {
         "config": asdict(config),
         "calibration": {
@@ -359,6 +403,14 @@ def print_serving_report(report: dict) -> None:
     )
     print(header)
     for row in report["rows"]:
+        if row["mode"] == "in-process":
+            print(
+                f"{row['concurrency']:>4} {row['mode']:<12} {row['tokens_per_s']:>7.2f} "
+                f"{row['speedup']:>7.2f} {'':>8} {'':>8} {'':>8} {'':>5} "
+                f"{row['acceptance_rate']:>5.2f} {row['num_speculative_tokens']:>4} "
+                "(the in-process Engine, fixed k, both cores)"
+            )
+            continue
         bound = row.get("fraction_of_bound")
         print(
             f"{row['concurrency']:>4} {row['mode']:<12} {row['tokens_per_s']:>7.2f} "

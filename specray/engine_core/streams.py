@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from specray.errors import SpecrayError
 from specray.outputs import RequestOutput
@@ -16,6 +17,17 @@ class StreamDelta:
     output: RequestOutput | None = None  # set on the final delta
 
 
+class StreamSink(Protocol):
+    """Takes a request's events instead of its queue (a front-end session of the engine core
+    batches every request's new tokens into one message per round)."""
+
+    def on_tokens(self, request_id: str, token_ids: list[int]) -> None: ...
+
+    def on_end(
+        self, request_id: str, output: RequestOutput | None, error: SpecrayError | None
+    ) -> None: ...
+
+
 class RequestStream:
     """Committed tokens of one request as they are committed; ``result()`` waits for the end."""
 
@@ -25,14 +37,33 @@ class RequestStream:
         self._output: RequestOutput | None = None
         self._error: SpecrayError | None = None
         self._done = asyncio.Event()
+        self._sink: StreamSink | None = None
+
+    def attach(self, sink: StreamSink) -> None:
+        """Send this request's events to ``sink`` from now on (those queued first)."""
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, SpecrayError):
+                sink.on_end(self.request_id, None, item)
+            elif item.output is not None:  # the final delta
+                sink.on_end(self.request_id, item.output, None)
+            else:
+                sink.on_tokens(self.request_id, item.token_ids)
+        self._sink = sink
 
     def _push(self, token_ids: list[int]) -> None:
-        self._queue.put_nowait(StreamDelta(list(token_ids)))
+        if self._sink is not None:
+            self._sink.on_tokens(self.request_id, list(token_ids))
+        else:
+            self._queue.put_nowait(StreamDelta(list(token_ids)))
 
     def _finish(self, output: RequestOutput | None, error: SpecrayError | None) -> None:
         self._output, self._error = output, error
-        self._queue.put_nowait(StreamDelta([], output) if error is None else error)
         self._done.set()
+        if self._sink is not None:
+            self._sink.on_end(self.request_id, output, error)
+        else:
+            self._queue.put_nowait(StreamDelta([], output) if error is None else error)
 
     def next_ready(self) -> StreamDelta | None:
         """The next delta if one is already queued (no waiting), else None: a consumer slower

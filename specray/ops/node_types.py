@@ -22,8 +22,6 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-REPLICA_SLIVER = 0.001  # the share of a node resource a replica asks to be placed by it (app.py)
-
 
 @dataclass(frozen=True)
 class NodeType:
@@ -96,6 +94,8 @@ class PlacementAsk:
     def draft_worker_needs(self) -> dict[str, float]:
         """One draft worker: its actor (``PlacementConfig.draft_options``) and its replica,
         both on a draft node."""
+        from specray.serve.config import REPLICA_SLIVER
+
         options = self._placement().draft_options()
         actor = {"CPU": options["num_cpus"], **options["resources"]}
         if "num_gpus" in options:

@@ -1,4 +1,4 @@
-"""``specray bench``: side-by-side speed and acceptance in one run (DESIGN.md section 5).
+"""``specray bench``: side-by-side speed and acceptance in one run (docs/design.md section 5).
 
 Configurations, all greedy at batch 1 over the same shipped prompts and the same model weights:
   - specray target-only, and transformers ``generate()`` (the no-runtime-tax check);
@@ -370,11 +370,11 @@ def run_distributed_bench(config: BenchConfig) -> dict:
                 cluster=cluster.address,
             )
             engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))
-            stats = engine.runner.coordinator.stats
-            rounds_before, bytes_before = stats.rounds, stats.draft_bytes
+            before = engine.engine_stats()["stats"]
             run = _run_specray(engine, prompts, params)
-            rounds = stats.rounds - rounds_before
-            wire_bytes = stats.draft_bytes - bytes_before
+            after = engine.engine_stats()["stats"]
+            rounds = after["rounds"] - before["rounds"]
+            wire_bytes = after["draft_bytes"] - before["draft_bytes"]
             engine.shutdown()
             metrics = run["metrics"]
             round_s = run["wall_s"] / rounds
@@ -401,10 +401,9 @@ def run_distributed_bench(config: BenchConfig) -> dict:
             _log(f"target-only step time, tp_size={tp_size}")
             engine = Engine(config.target, draft=None, cluster=cluster.address, tp_size=tp_size)
             engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))
-            stats = engine.runner.coordinator.stats
-            rounds_before = stats.rounds
+            rounds_before = engine.engine_stats()["stats"]["rounds"]
             run = _run_specray(engine, prompts[:2], params)
-            rounds = stats.rounds - rounds_before
+            rounds = engine.engine_stats()["stats"]["rounds"] - rounds_before
             engine.shutdown()
             tp_rows.append({"tp_size": tp_size, "round_ms": round(1e3 * run["wall_s"] / rounds, 2)})
     finally:

@@ -1,14 +1,16 @@
 """What the coordinator needs from the workers: two small async protocols.
 
-The coordinator's scheduling code is the same whether the workers are Ray actors exchanging
-blocks over gRPC (:mod:`specray.distributed`), workers in this process
-(:mod:`specray.cluster.inprocess`) or simulated workers on a discrete-event clock
+The coordinator's scheduling code is the same in the engine core beside a real target (the
+target worker in its own process and the draft workers' streams:
+:mod:`specray.engine_core`) and over simulated workers on a discrete-event clock
 (:mod:`specray.sim`). Calls and replies are the typed messages of :mod:`specray.protocol`.
+A draft call returns an awaitable made at once (the engine core gathers one turn's calls into
+one message per worker).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Protocol
 
 from specray.protocol import (
@@ -39,19 +41,17 @@ class DraftBackend(Protocol):
     num_workers: int
 
     def available(self, worker: int) -> bool:
-        """True when the worker can take work (False while a replacement starts)."""
+        """True when the worker can take work (False once it is gone, until replaced)."""
         ...
 
-    async def prefill(self, worker: int, items: Sequence[DraftItem]) -> PrefillReport:
+    def prefill(self, worker: int, items: Sequence[DraftItem]) -> Awaitable[PrefillReport]:
         """Take on new requests (state and KV cache); they run target-only until it is done."""
         ...
 
-    async def propose(self, worker: int, call: ProposeCall) -> ProposeReport: ...
+    def propose(self, worker: int, call: ProposeCall) -> Awaitable[ProposeReport]: ...
 
-    async def release(self, worker: int, request_ids: list[str]) -> None: ...
+    def release(self, worker: int, request_ids: Sequence[str]) -> Awaitable[None]: ...
 
     async def replace(self, worker: int) -> None:
-        """Start a replacement for a failed worker (returns at once; see ``available``)."""
+        """A failed worker is to be replaced (returns at once; see ``available``)."""
         ...
-
-    async def held_requests(self, worker: int) -> list[str]: ...

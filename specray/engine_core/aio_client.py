@@ -1,0 +1,235 @@
+"""A front end's session with the engine core, for asyncio (the serving layer).
+
+It offers what :class:`specray.serve.service.CoordinatorService` uses of a coordinator —
+``submit`` (returns once the engine core admitted or refused the request), ``abort`` and
+``finish`` (a stop string ended it here) — so the service turns tokens into
+text and events in the front end's process, while the engine core only commits tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import grpc
+
+from specray.engine_core.client import frontend_bytes
+from specray.engine_core.streams import StreamDelta
+from specray.errors import SpecrayError, UnavailableError, error_from_dict
+from specray.outputs import RequestOutput, SpecDecodeMetrics
+from specray.protocol import Delta, DeltaBatch, Finished, FrontendBatch, Submit, decode, encode
+from specray.rpc.messages import grpc_options
+from specray.sampling import SamplingParams
+from specray.v1 import speculation_pb2 as pb
+from specray.v1 import speculation_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+def output_of(
+    request_id: str, prompt: Sequence[int], tokens: Sequence[int], finished: Finished
+) -> RequestOutput:
+    """A request's output from its delivered tokens and the engine core's end record."""
+    metrics = SpecDecodeMetrics(
+        num_drafts=finished.num_drafts,
+        num_draft_tokens=finished.num_draft_tokens,
+        num_accepted_tokens=finished.num_accepted_tokens,
+        accepted_per_position=list(finished.accepted_per_position),
+        num_target_steps=finished.num_target_steps,
+    )
+    return RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        token_ids=list(tokens),
+        text="",
+        finish_reason=finished.finish_reason,
+        seed=finished.seed,
+        metrics=metrics,
+        time_to_first_token_s=finished.time_to_first_token_s,
+        latency_s=finished.latency_s,
+        chunk_gaps_s=list(finished.chunk_gaps_s),
+    )
+
+
+class AsyncClientStream:
+    """One request's deltas (``async for``), as a coordinator's RequestStream."""
+
+    def __init__(
+        self, request_id: str, prompt_token_ids: Sequence[int], committed: Sequence[int] = ()
+    ):
+        self.request_id, self.prompt_token_ids = request_id, list(prompt_token_ids)
+        self.token_ids: list[int] = list(committed)  # a resumed request's are its start
+        self.admitted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.output: RequestOutput | None = None
+
+    def _take(self, delta: Delta) -> None:
+        if not self.admitted.done():
+            if delta.error is not None:
+                self.admitted.set_exception(error_from_dict(delta.error.__dict__))
+                return
+            self.admitted.set_result(None)
+        self.token_ids.extend(delta.token_ids)
+        if delta.error is not None:
+            self._queue.put_nowait(error_from_dict(delta.error.__dict__))
+            return
+        if delta.finished is not None:
+            self.output = output_of(
+                self.request_id, self.prompt_token_ids, self.token_ids, delta.finished
+            )
+        if delta.token_ids or self.output is not None:
+            self._queue.put_nowait(StreamDelta(list(delta.token_ids), self.output))
+
+    def _fail(self, error: SpecrayError) -> None:
+        if not self.admitted.done():
+            self.admitted.set_exception(error)
+        else:
+            self._queue.put_nowait(error)
+
+    def next_ready(self) -> StreamDelta | None:
+        try:
+            item = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+        if isinstance(item, SpecrayError):
+            raise item
+        return item
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        return self._iterate()
+
+    async def _iterate(self):
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, SpecrayError):
+                raise item
+            yield item
+            if item.output is not None:
+                return
+
+
+class AsyncEngineCoreClient:
+    """``await start()``, then submit / abort / finish; ``closed`` once the session ended
+    (the engine core went away): its requests failed with UnavailableError."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        num_speculative_tokens: int,
+        metrics_text: Callable[[], Awaitable[bytes]] | None = None,
+    ):
+        self.address = address
+        self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
+        self.num_speculative_tokens = num_speculative_tokens
+        self._metrics_text = metrics_text
+        self._prefix = f"{uuid.uuid4().hex[:8]}-"
+        self._ids = itertools.count()
+        self._streams: dict[str, AsyncClientStream] = {}
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self.closed: asyncio.Event | None = None
+        self.batches_received = 0
+
+    async def start(self, connect_timeout_s: float = 30.0) -> None:
+        self.closed = asyncio.Event()
+        self._channel = grpc.aio.insecure_channel(self.address, options=grpc_options())
+        await asyncio.wait_for(self._channel.channel_ready(), connect_timeout_s)
+        self._call = pb_grpc.EngineCoreStub(self._channel).Session(self._messages())
+        self._reader = asyncio.create_task(self._read(), name="engine-core-session")
+
+    async def _messages(self):
+        while (payload := await self._outbox.get()) is not None:
+            yield pb.FrontendMessage(payload=payload)
+
+    async def _read(self) -> None:
+        error: SpecrayError = UnavailableError("the engine core closed the session")
+        try:
+            async for message in self._call:
+                self.batches_received += 1
+                for delta in decode(message.payload, DeltaBatch).deltas:
+                    stream = self._streams.get(delta.request_id)
+                    if delta.finished is not None or delta.error is not None:
+                        self._streams.pop(delta.request_id, None)
+                    if stream is not None:
+                        stream._take(delta)
+        except grpc.RpcError as failure:
+            error = UnavailableError(f"the engine core session failed: {failure.code().name}")
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self.closed.set()
+            streams, self._streams = list(self._streams.values()), {}
+            for stream in streams:
+                stream._fail(error)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests of this session not yet ended."""
+        return len(self._streams)
+
+    @property
+    def healthy(self) -> bool:
+        return self.closed is not None and not self.closed.is_set()
+
+    async def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        num_speculative_tokens: int | None = None,
+        committed_token_ids: Sequence[int] = (),
+    ) -> AsyncClientStream:
+        """Admit a request or raise (invalid input, overload, draining) once the engine core
+        has decided."""
+        if not self.healthy:
+            raise UnavailableError("the engine core session is closed; retry")
+        request_id = request_id or f"{self._prefix}{next(self._ids)}"
+        submit = Submit(
+            request_id,
+            tuple(prompt_token_ids),
+            params,
+            timeout_s=timeout_s,
+            num_speculative_tokens=num_speculative_tokens,
+            committed_token_ids=tuple(committed_token_ids),
+        )
+        payload = frontend_bytes(FrontendBatch(submits=(submit,)))
+        stream = AsyncClientStream(request_id, prompt_token_ids, committed_token_ids)
+        self._streams[request_id] = stream
+        self._outbox.put_nowait(payload)
+        await stream.admitted
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its stream ends with RequestCancelledError when the engine core
+        has freed it. False if it is not in flight here."""
+        self._outbox.put_nowait(encode(FrontendBatch(aborts=(request_id,))))
+        return request_id in self._streams
+
+    async def finish(self, request_id: str) -> RequestOutput | None:
+        """End a request now as finished (a stop string matched here); its output, with what
+        the engine core committed by then, or None if it already ended otherwise."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return None
+        self._outbox.put_nowait(encode(FrontendBatch(finishes=(request_id,))))
+        with contextlib.suppress(SpecrayError):
+            async for _ in stream:
+                pass
+        return stream.output
+
+    async def metrics_text(self) -> bytes:
+        return await self._metrics_text() if self._metrics_text is not None else b""
+
+    async def close(self) -> None:
+        self._outbox.put_nowait(None)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._reader, 10)
+        await self._channel.close()

@@ -1,0 +1,216 @@
+"""A front end's side of an ``EngineCore.Session``: submit, abort, and per-request streams of
+committed tokens, from plain threads (the offline ``Engine``'s driver, benchmarks).
+
+Outputs are assembled here from the deltas: text is decoded here, not on the engine core.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from specray.engine_core.streams import StreamDelta
+from specray.errors import InvalidRequestError, SpecrayError, UnavailableError, error_from_dict
+from specray.outputs import RequestOutput, SpecDecodeMetrics
+from specray.protocol import (
+    Delta,
+    DeltaBatch,
+    FrontendBatch,
+    ProtocolError,
+    Submit,
+    decode,
+    encode,
+)
+from specray.rpc.messages import MAX_REQUEST_ID_CHARS, grpc_options
+from specray.sampling import SamplingParams
+from specray.v1 import speculation_pb2 as pb
+from specray.v1 import speculation_pb2_grpc as pb_grpc
+
+_END = object()
+
+
+def frontend_bytes(batch: FrontendBatch) -> bytes:
+    """The batch's wire form, checked here, at the front end, against what the engine core
+    accepts: a request it could not decode must fail alone, as invalid input, rather than
+    close the session of every request beside it."""
+    for submit in batch.submits:
+        if not 0 < len(submit.request_id) <= MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(
+                f"request_id must be a string of 1..{MAX_REQUEST_ID_CHARS} characters, got "
+                f"{len(submit.request_id)} characters",
+                param="request_id",
+            )
+    payload = encode(batch)
+    try:
+        decode(payload, FrontendBatch)
+    except ProtocolError as error:
+        raise InvalidRequestError(
+            f"the request exceeds the engine core's limits: {error}"
+        ) from None
+    return payload
+
+
+class ClientStream:
+    """One request's deltas as they arrive; ``result()`` waits for its output."""
+
+    def __init__(
+        self,
+        client: EngineCoreClient,
+        request_id: str,
+        prompt_token_ids: list[int],
+        committed: Sequence[int] = (),
+    ):
+        self._client, self.request_id = client, request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = list(committed)  # a resumed request's are its start
+        self._events: queue.Queue = queue.Queue()
+        self._done = threading.Event()
+        self._output: RequestOutput | None = None
+        self._error: SpecrayError | None = None
+
+    def _take(self, delta: Delta) -> None:
+        self.token_ids.extend(delta.token_ids)
+        if delta.error is not None:
+            self._error = error_from_dict(delta.error.__dict__)
+        elif delta.finished is not None:
+            self._output = self._client.output(self, delta.finished)
+        if delta.token_ids or self._output is not None:
+            self._events.put(StreamDelta(list(delta.token_ids), self._output))
+        if delta.error is not None or delta.finished is not None:
+            self._done.set()
+            self._events.put(_END)
+
+    def _fail(self, error: SpecrayError) -> None:
+        if not self._done.is_set():
+            self._error = error
+            self._done.set()
+            self._events.put(_END)
+
+    def __iter__(self) -> Iterator[StreamDelta]:
+        while True:
+            item = self._events.get()
+            if item is _END:
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item
+
+    def result(self, timeout_s: float | None = None) -> RequestOutput:
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"request {self.request_id} is still running")
+        if self._error is not None:
+            raise self._error
+        return self._output
+
+
+class EngineCoreClient:
+    """One session with the engine core at ``address``."""
+
+    def __init__(self, address: str, *, tokenizer=None, connect_timeout_s: float = 30.0):
+        self.tokenizer = tokenizer
+        self._prefix = f"{uuid.uuid4().hex[:8]}-"
+        self._ids = itertools.count()
+        self._streams: dict[str, ClientStream] = {}
+        self._lock = threading.Lock()
+        self._channel = grpc.insecure_channel(address, options=grpc_options())
+        grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
+        self._outbox: queue.Queue = queue.Queue()
+        responses = pb_grpc.EngineCoreStub(self._channel).Session(iter(self._outbox.get, None))
+        self.batches_received = 0
+        self._reader = threading.Thread(target=self._read, args=(responses,), daemon=True)
+        self._reader.start()
+
+    def _read(self, responses) -> None:
+        error: SpecrayError = UnavailableError("the engine core closed the session")
+        try:
+            for message in responses:
+                self.batches_received += 1
+                for delta in decode(message.payload, DeltaBatch).deltas:
+                    with self._lock:
+                        stream = self._streams.get(delta.request_id)
+                        if delta.finished is not None or delta.error is not None:
+                            self._streams.pop(delta.request_id, None)
+                    if stream is not None:
+                        stream._take(delta)
+        except grpc.RpcError as failure:
+            error = UnavailableError(f"the engine core session failed: {failure.code().name}")
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream._fail(error)
+
+    def output(self, stream: ClientStream, finished) -> RequestOutput:
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(stream.token_ids, skip_special_tokens=True)
+        metrics = SpecDecodeMetrics(
+            num_drafts=finished.num_drafts,
+            num_draft_tokens=finished.num_draft_tokens,
+            num_accepted_tokens=finished.num_accepted_tokens,
+            accepted_per_position=list(finished.accepted_per_position),
+            num_target_steps=finished.num_target_steps,
+        )
+        return RequestOutput(
+            request_id=stream.request_id,
+            prompt_token_ids=stream.prompt_token_ids,
+            token_ids=list(stream.token_ids),
+            text=text,
+            finish_reason=finished.finish_reason,
+            seed=finished.seed,
+            metrics=metrics,
+            time_to_first_token_s=finished.time_to_first_token_s,
+            latency_s=finished.latency_s,
+            chunk_gaps_s=list(finished.chunk_gaps_s),
+        )
+
+    def submit_many(self, submits: Sequence[tuple[list[int], SamplingParams, dict]]):
+        """Submit several requests in one message; ``(prompt ids, params, options)`` each,
+        options as for :meth:`submit`."""
+        streams, messages = [], []
+        for prompt_token_ids, params, options in submits:
+            request_id = options.get("request_id") or f"{self._prefix}{next(self._ids)}"
+            committed = tuple(options.get("committed_token_ids", ()))
+            stream = ClientStream(self, request_id, list(prompt_token_ids), committed)
+            messages.append(
+                Submit(
+                    request_id,
+                    tuple(prompt_token_ids),
+                    params,
+                    timeout_s=options.get("timeout_s"),
+                    num_speculative_tokens=options.get("num_speculative_tokens"),
+                    committed_token_ids=committed,
+                )
+            )
+            streams.append(stream)
+        payload = frontend_bytes(FrontendBatch(tuple(messages)))
+        with self._lock:
+            for stream in streams:
+                self._streams[stream.request_id] = stream
+        self._outbox.put(pb.FrontendMessage(payload=payload))
+        return streams
+
+    def submit(
+        self, prompt_token_ids: list[int], params: SamplingParams | None = None, **options
+    ) -> ClientStream:
+        """``options``: request_id, timeout_s, num_speculative_tokens, committed_token_ids."""
+        return self.submit_many([(prompt_token_ids, params or SamplingParams(), options)])[0]
+
+    def generate(
+        self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Submit every prompt at once and wait for all outputs (in order)."""
+        submits = [(ids, p, {}) for ids, p in zip(prompts, params, strict=True)]
+        return [stream.result() for stream in self.submit_many(submits)]
+
+    def abort(self, request_id: str) -> None:
+        self._outbox.put(pb.FrontendMessage(payload=encode(FrontendBatch(aborts=(request_id,)))))
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        self._reader.join(timeout=10)
+        self._channel.close()

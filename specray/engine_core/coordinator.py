@@ -1,0 +1,588 @@
+"""The coordinator: admission, continuous batching, block length and pipelining for one target
+group. It holds every request's committed tokens (the source of truth) and streams them out.
+
+Pipelining. Running requests are split into ``num_micro_batches`` micro-batches, each driven by
+its own round loop: ask the draft workers for blocks (they stream them to the target over gRPC)
+and, at the same time, ask the target to verify (it waits for the blocks, then verifies).
+Worker calls execute in order, one at a time, so with two micro-batches the draft drafts one
+while the target verifies the other. With one micro-batch the draft would idle during
+verification; ``draft_ahead`` lets it keep drafting past its block (assuming every token and
+its own guess of the bonus token are accepted). Drafts made ahead are kept only when the
+committed tokens agree with what they assumed, so they are exactly the drafts a fresh call
+would make (keyed randomness): every path stays exact.
+
+Block length. Per micro-batch and round, one K for all its requests, chosen from their measured
+acceptance and the group's measured costs (:mod:`specray.engine_core.block_length`); K = 0 runs
+the batch target-only, and it is probed again after ``probe_every_rounds`` rounds.
+
+This module holds the round loops: what a round sends, commits and ends. Beside it: the config
+(:mod:`~specray.engine_core.coordinator_config`), admission checks and micro-batch membership
+(:mod:`~specray.engine_core.admission`), the draft workers' bookkeeping
+(:mod:`~specray.engine_core.draft_pool`), a request's lifecycle on the workers
+(:mod:`~specray.engine_core.request`) and what is recorded from the replies
+(:mod:`~specray.engine_core.recording`).
+
+The same code runs on real workers (:mod:`specray.cluster.ray_backends`) and on simulated ones
+(:mod:`specray.sim`, a discrete-event clock): all timing uses the event loop's clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Sequence
+
+from specray.core import RequestState
+from specray.engine_core import admission
+from specray.engine_core.backends import DraftBackend, TargetBackend
+from specray.engine_core.block_length import (
+    Measurements,
+    ProbeState,
+    choose_ks,
+    draft_prefills_wanted,
+    split_pays,
+)
+from specray.engine_core.coordinator_config import (
+    DEFAULT_DRAFT_PRIOR,
+    DEFAULT_VERIFY_PRIOR,
+    CoordinatorConfig,
+)
+from specray.engine_core.costs import Costs
+from specray.engine_core.draft_pool import DraftPool
+from specray.engine_core.metrics import CoordinatorMetrics
+from specray.engine_core.policy import AcceptanceEstimator
+from specray.engine_core.recording import (
+    CoordinatorStats,
+    record_draft_failure,
+    record_draft_prefill,
+    record_emission,
+    record_proposal,
+    record_round,
+)
+from specray.engine_core.request import DraftPhase, Request, TargetPhase
+from specray.engine_core.streams import RequestStream
+from specray.errors import OverloadedError, RequestCancelledError, SpecrayError, UnavailableError
+from specray.outputs import RequestOutput
+from specray.protocol import VerifyItem, VerifyResult, VerifyRound
+from specray.sampling import SamplingParams
+from specray.sampling.rng import random_seed
+
+__all__ = [  # the config, its priors and the stats are defined beside; import them from here
+    "DEFAULT_DRAFT_PRIOR",
+    "DEFAULT_VERIFY_PRIOR",
+    "Coordinator",
+    "CoordinatorConfig",
+    "CoordinatorStats",
+]
+
+log = logging.getLogger(__name__)
+RTT_PROBE_INTERVAL_S = 0.5  # how often the coordinator times a no-op call to the target
+GROUP_ACCEPTANCE_DECAY = 0.99  # the group's running acceptance: new requests start from it
+REQUEST_PRIOR_WEIGHT = 4.0  # pseudo-observations of that prior in a request's own estimate
+STOP_GRACE_S = 5.0  # how long stop() waits for releases still under way before cancelling
+
+
+class Coordinator:
+    """Admission, continuous batching, adaptive k and pipelining over one target group.
+
+    Use from asyncio: ``await start()``, ``stream = await submit(prompt_token_ids, params)``,
+    ``async for delta in stream``, ``abort(request_id)``, ``await stop()``.
+    """
+
+    def __init__(
+        self,
+        target: TargetBackend,
+        drafts: DraftBackend | None,
+        config: CoordinatorConfig,
+        *,
+        vocab_size: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_positions: int | None = None,
+        tokenizer=None,
+        model_name: str = "default",
+        request_id_prefix: str = "req-",
+    ):
+        self._prefix = request_id_prefix
+        self.target, self.drafts, self.config = target, drafts, config
+        self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
+        self.max_positions, self.tokenizer = max_positions, tokenizer
+        self.metrics = CoordinatorMetrics(model_name)
+        self.costs = Costs(config.verify_prior, config.draft_prior, config.rtt_prior_s)
+        self.stats = CoordinatorStats()
+        self._ids = itertools.count()
+        self._group_acceptance = AcceptanceEstimator(decay=GROUP_ACCEPTANCE_DECAY)
+        self._waiting: list[Request] = []
+        self._batches: list[list[Request]] = [[] for _ in range(config.num_micro_batches)]
+        self._requests: dict[str, Request] = {}
+        # One event per round loop, each cleared only by its own loop before it looks for
+        # work: a shared one cleared by one loop could swallow a submit another loop needed.
+        self._wakeups: list[asyncio.Event] = []
+        self._tasks: list[asyncio.Task] = []
+        # What the draft calls report is recorded in this coordinator's stats and metrics of
+        # the moment (reset_stats replaces the stats).
+        self._pool = None if drafts is None else DraftPool(
+            drafts,
+            config,
+            self._requests,
+            on_prefill=lambda report, requests: record_draft_prefill(self.stats, report, requests),
+            on_proposal=lambda reply: record_proposal(
+                self.stats, self.metrics, self.costs, reply, draft_prior=config.draft_prior
+            ),
+            on_failure=lambda: record_draft_failure(self.stats, self.metrics),
+        )  # fmt: skip
+        self._probes = [ProbeState()] * config.num_micro_batches  # block-length memory
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wakeups = [asyncio.Event() for _ in range(self.config.num_micro_batches)]
+        self.stats.started_s = self._loop.time()
+        self._tasks = [
+            asyncio.create_task(self._run_micro_batch(index), name=f"micro-batch-{index}")
+            for index in range(self.config.num_micro_batches)
+        ]
+        self._rtt_probe = asyncio.create_task(self._probe_rtt(), name="rtt-probe")
+
+    async def stop(self, *, drain: bool = True) -> None:
+        """Stop taking requests; finish the running ones (``drain``) or cancel them."""
+        self._draining = True
+        if not drain:
+            for request in list(self._requests.values()):
+                request.cancelled = True
+        self._notify()
+        await asyncio.gather(*self._tasks)
+        self._rtt_probe.cancel()
+        if self._pool is not None:
+            await self._pool.settle(STOP_GRACE_S)
+
+    def reset_stats(self) -> None:
+        self.stats = CoordinatorStats(started_s=self._loop.time())
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(batch) for batch in self._batches)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- requests ----------------------------------------------------------------------
+    async def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        num_speculative_tokens: int | None = None,
+        committed_token_ids: Sequence[int] = (),
+    ) -> RequestStream:
+        """Admit a request or fail at once: invalid input, queue full, or draining.
+
+        ``num_speculative_tokens`` caps this request's k below the group's (0: speculation off
+        for it; None: the group's largest k). ``committed_token_ids``: output tokens already
+        committed (a request resumed after a failure): they count toward ``max_tokens``, are
+        not streamed again, and generation continues after them — exact, since each token is
+        drawn from the target conditioned on all before it."""
+        params = params or SamplingParams()
+        if self._draining:
+            raise UnavailableError("the coordinator is draining; retry on another replica")
+        admission.check_request(
+            prompt_token_ids,
+            params,
+            request_id,
+            timeout_s,
+            vocab_size=self.vocab_size,
+            max_positions=self.max_positions,
+            in_flight=self._requests,
+        )
+        committed = admission.check_committed(
+            committed_token_ids, params, vocab_size=self.vocab_size
+        )
+        max_k = admission.request_max_k(num_speculative_tokens, self.config.num_speculative_tokens)
+        if admission.queue_full(len(self._waiting), self.num_running, self.config):
+            self.metrics.labels(self.metrics.request_rejected).inc()
+            raise OverloadedError(
+                f"admission queue is full ({self.config.max_queue} waiting); retry later"
+            )
+        request_id = request_id or f"{self._prefix}{next(self._ids)}"
+        seed = params.seed if params.seed is not None else random_seed()
+        state = RequestState.create(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            seed,
+            self.vocab_size,
+            self.eos_token_ids,
+        )
+        state.commit(committed)  # a resumed request: what it had already committed
+        now = self._loop.time()
+        request = Request(
+            state=state,
+            stream=RequestStream(request_id),
+            arrival_s=now,
+            deadline_s=now + timeout_s if timeout_s is not None else None,
+            estimator=self._new_estimator(),
+            max_k=max_k,
+            fixed_k=self.config.reproducible_seeds and params.seed is not None and max_k > 0,
+        )
+        self._requests[request_id] = request
+        if state.finish_reason is not None:  # resumed after its last token: only the end left
+            self._end(request, None)
+            return request.stream
+        self._waiting.append(request)
+        self.metrics.labels(self.metrics.prompt_tokens).inc(len(prompt_token_ids))
+        self._update_gauges()
+        self._notify()
+        return request.stream
+
+    def _new_estimator(self) -> AcceptanceEstimator:
+        """A request starts from what this group's requests accepted lately, not from a fixed
+        guess: one early rejection then does not switch a good draft off."""
+        group_alpha = self._group_acceptance.acceptance(1)[0]
+        return AcceptanceEstimator(
+            prior_alpha=min(max(group_alpha, 0.05), 0.95), prior_weight=REQUEST_PRIOR_WEIGHT
+        )
+
+    @property
+    def healthy(self) -> bool:
+        """Taking requests, and every round loop alive."""
+        return not self._draining and all(not task.done() for task in self._tasks)
+
+    def load_signals(self) -> dict[str, float]:
+        """What autoscaling reads: queue depth, running requests, the group's acceptance and
+        the share of running requests that speculated in their latest round."""
+        running = [r for batch in self._batches for r in batch]
+        speculating = sum(r.last_k > 0 for r in running)
+        return {
+            "queue_depth": float(len(self._waiting)),
+            "running": float(len(running)),
+            "acceptance_rate": float(self._group_acceptance.acceptance(1)[0]),
+            "speculating_fraction": speculating / len(running) if running else 0.0,
+        }
+
+    def output_so_far(self, request_id: str) -> RequestOutput | None:
+        """What a request in flight has committed (None once it ended): a front end that
+        ends a request early (a stop string) reports this."""
+        request = self._requests.get(request_id)
+        return self._output(request) if request is not None else None
+
+    def finish(self, request_id: str) -> bool:
+        """End a request now as finished (``stop``): its front end matched a stop string. It
+        ends at its next block boundary with what it committed by then, and its output."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        request.finish_now = True
+        if request in self._waiting:
+            self._waiting.remove(request)
+            request.state.finish_reason = "stop"
+            self._end(request, None)
+        self._notify()
+        return True
+
+    def draft_worker_lost(self, worker: int, error: BaseException) -> None:
+        """A draft worker's stream closed (the engine core's pool says so at once): its
+        requests go target-only and its process is replaced."""
+        self._pool.lost(worker, error)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its worker state is freed at its next round boundary."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        request.cancelled = True
+        if request in self._waiting:
+            self._waiting.remove(request)
+            self._end(request, RequestCancelledError(f"request {request_id} was cancelled"))
+        self._notify()
+        return True
+
+    # ---- the round loops ---------------------------------------------------------------
+    async def _run_micro_batch(self, index: int) -> None:
+        batch = self._batches[index]
+        while True:
+            self._wakeups[index].clear()  # before looking: a later submit sets it again
+            try:
+                self._expire_waiting()
+                self._admit(index)
+                self._merge_unless_split_pays(index)
+                await self._reap(batch)
+            except Exception:  # never let the loop die: its requests would wait forever
+                log.exception("admission or release failed")
+            if not batch:
+                if self._draining and not self._waiting:
+                    return
+                if self._pool is not None:
+                    await self._pool.release_stale()  # idle: nothing else would free them
+                await self._wait_for_work(index)
+                continue
+            try:
+                await self._round(index)
+            except Exception as error:  # a target failure: fail the batch, stay up
+                log.exception("round failed")
+                for request in list(batch):
+                    batch.remove(request)
+                    self._end(request, UnavailableError(f"target group failed: {error}"))
+            self._update_gauges()
+
+    async def _probe_rtt(self) -> None:
+        """Time a no-op call to the target while requests run: the network term of the policy.
+        (A verify call's own latency would include queueing behind other micro-batches.)"""
+        while True:
+            await asyncio.sleep(RTT_PROBE_INTERVAL_S)
+            if not self.num_running:
+                continue
+            started = self._loop.time()
+            try:
+                await self.target.ping()
+            except Exception:  # a failing target shows up in the rounds; keep probing
+                continue
+            rtt_s = self._loop.time() - started
+            self.costs.add_rtt(rtt_s)
+            self.metrics.labels(self.metrics.network_latency).observe(rtt_s)
+
+    def _notify(self) -> None:
+        for wakeup in self._wakeups:
+            wakeup.set()
+
+    async def _wait_for_work(self, index: int) -> None:
+        """Sleep until a submit, an abort or the next waiting request's deadline."""
+        deadlines = [r.deadline_s for r in self._waiting if r.deadline_s is not None]
+        timeout = max(min(deadlines) - self._loop.time(), 0) if deadlines else None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeups[index].wait(), timeout)
+
+    def _expire_waiting(self) -> None:
+        for request in admission.expired(self._waiting, self._loop.time()):
+            self._waiting.remove(request)
+            self._end(request, request.deadline_error())
+
+    def _admit(self, index: int) -> None:
+        joined = admission.admit(
+            self._waiting,
+            self._batches,
+            index,
+            max_running=self.config.max_running,
+            split_pays=self._split_pays,
+        )
+        if self._pool is not None:
+            for request in joined:
+                self._pool.assign(request)
+
+    def _merge_unless_split_pays(self, index: int) -> None:
+        total = min(self.num_running + len(self._waiting), self.config.max_running)
+        if admission.merge_unless_split_pays(
+            self._batches, index, total=total, split_pays=self._split_pays
+        ):
+            self._wakeups[0].set()
+
+    async def _reap(self, batch: list[Request]) -> None:
+        """Remove cancelled, finished-early and expired requests and free their state on the
+        workers."""
+        now = self._loop.time()
+        gone = [
+            r
+            for r in batch
+            if r.cancelled or r.finish_now or (r.deadline_s and r.deadline_s <= now)
+        ]
+        if not gone:
+            return
+        for request in gone:
+            batch.remove(request)
+        await self._release(gone)
+        for request in gone:
+            if request.finish_now and not request.cancelled:
+                request.state.finish_reason = "stop"
+                self._end(request, None)
+                continue
+            error = (
+                RequestCancelledError(f"request {request.state.request_id} was cancelled")
+                if request.cancelled
+                else request.deadline_error()
+            )
+            self._end(request, error)
+
+    async def _release(self, requests: list[Request]) -> None:
+        held = [r for r in requests if r.target_holds]
+        if held:
+            await self.target.release([r.state.request_id for r in held])
+            for request in held:
+                request.target_released()
+        if self._pool is not None:
+            await self._pool.release(requests)
+
+    # ---- block length ------------------------------------------------------------------
+    def _measured(self) -> Measurements:
+        return Measurements(
+            verify=self.costs.verify,
+            draft=self.costs.draft,
+            rtt_s=self.costs.rtt_s,
+            group_acceptance=tuple(
+                self._group_acceptance.acceptance(self.config.num_speculative_tokens)
+            ),
+            pipelined=sum(1 for batch in self._batches if batch) > 1,
+        )
+
+    def _split_pays(self, total: int) -> bool:
+        return split_pays(total, self._measured(), self.config, has_drafts=self._pool is not None)
+
+    def _cap(self, request: Request) -> int:
+        """The largest k this request can take this round (0: it cannot speculate)."""
+        cap = min(request.max_k, request.state.remaining - 1)
+        # Not before the target holds its whole context (its first round prefills it: k = 0);
+        # a fixed-k request is taken on by the draft worker in its first propose call.
+        drafter_has_it = request.draft_phase is DraftPhase.READY or request.fixed_k
+        decoding = request.target_phase is TargetPhase.DECODING
+        if cap <= 0 or self.drafts is None or not decoding or not drafter_has_it:
+            return 0
+        return cap if self.drafts.available(request.draft_worker) else 0
+
+    def _choose_ks(self, index: int, requests: list[Request]) -> list[int]:
+        caps = [self._cap(request) for request in requests]
+        max_k = self.config.num_speculative_tokens
+        ks, self._probes[index] = choose_ks(
+            caps,
+            [r.estimator.acceptance(max_k) for r in requests],
+            [r.fixed_k for r in requests],
+            [r.last_drafted_step for r in requests],
+            self._probes[index],
+            self._measured(),
+            self.config,
+            has_drafts=self._pool is not None,
+        )
+        return ks
+
+    def _start_draft_prefills(self, batch: list[Request]) -> None:
+        """Hand requests the draft worker has not seen to it, as many as
+        :func:`~specray.engine_core.block_length.draft_prefills_wanted` says (fixed-k requests
+        are taken on by their first propose call instead)."""
+        if self._pool is None or self.config.num_speculative_tokens == 0:
+            return
+        fresh = [r for r in batch if r.draft_phase is DraftPhase.UNSEEN and not r.fixed_k]
+        if not fresh:  # the usual round: nothing to decide
+            return
+        wanted = draft_prefills_wanted(
+            len(fresh), len(batch), self._measured(), self.config, has_drafts=True
+        )
+        self._pool.start_prefills(fresh[:wanted])
+
+    # ---- a round -----------------------------------------------------------------------
+    async def _round(self, index: int) -> None:
+        batch = self._batches[index]
+        self._start_draft_prefills(batch)
+        grants = admission.prefill_grants(batch, self.config.max_prefill_tokens_per_round)
+        requests = [
+            r
+            for r in batch
+            if r.target_phase is TargetPhase.DECODING or r.state.request_id in grants
+        ]
+        ks = self._choose_ks(index, requests)
+        target_items, blocks = [], []
+        for request, k in zip(requests, ks, strict=True):
+            request.step += 1
+            request.last_k = k
+            if k > 0:
+                request.last_drafted_step = request.step
+                blocks.append((request, k))
+            state = request.state
+            until = grants.get(state.request_id)
+            if until is not None:
+                self.stats.target_prefill_tokens += until - request.target_prefilled
+            target_items.append(
+                VerifyItem(
+                    state.request_id,
+                    request.step,
+                    len(state.output_token_ids),
+                    expect_draft=k > 0,
+                    spec=state.to_spec() if request.target_phase is TargetPhase.NEW else None,
+                    prefill_until=until,
+                )
+            )
+            request.sent_to_target()
+        proposals = self._pool.propose(blocks) if blocks else {}
+        reply = await self.target.verify(
+            VerifyRound(tuple(target_items), self.config.draft_deadline_s)
+        )
+        if proposals:
+            self._pool.watch(proposals)  # replies arrive in the background
+        record_round(
+            self.stats,
+            self.metrics,
+            self.costs,
+            reply,
+            verify_prior=self.config.verify_prior,
+            now=self._loop.time(),
+        )
+        finished = []
+        for request, result in zip(requests, reply.results, strict=True):
+            if result.prefilling:  # a chunk of its prompt: nothing committed yet
+                request.target_cached(grants[request.state.request_id])
+                self.stats.prefill_chunks += 1
+                continue
+            request.target_decoding()
+            self._commit(request, result)
+            if request.state.finish_reason:
+                finished.append(request)
+        for request in finished:
+            batch.remove(request)
+            request.target_released()  # the target released it when it finished
+        if finished:
+            await self._release(finished)
+        for request in finished:
+            self._end(request, None)
+
+    # ---- commit and end ----------------------------------------------------------------
+    def _commit(self, request: Request, result: VerifyResult) -> None:
+        state = request.state
+        num_draft, num_accepted = result.num_draft_tokens, result.num_accepted
+        state.metrics.record(num_draft, num_accepted)
+        self.metrics.record_round(num_draft, num_accepted)
+        if num_draft:
+            request.estimator.update(num_draft, num_accepted)
+            self._group_acceptance.update(num_draft, num_accepted)
+        if result.dropped is not None:
+            self.stats.dropped_blocks += 1
+            reason = result.dropped.reason.value
+            self.metrics.labels(self.metrics.dropped_blocks, reason=reason).inc()
+        before = len(state.output_token_ids)
+        state.commit(result.token_ids)
+        if state.finish_reason != result.finish_reason:
+            raise RuntimeError(f"coordinator and target disagree on {state.request_id}'s end")
+        new = state.output_token_ids[before:]
+        self.stats.committed_tokens += len(new)
+        record_emission(self.metrics, request, new, self._loop.time())
+        request.stream._push(new)
+
+    def _end(self, request: Request, error: SpecrayError | None) -> None:
+        self._requests.pop(request.state.request_id, None)
+        output = None
+        if error is None:
+            output = self._output(request)
+            reason = output.finish_reason
+            self.metrics.labels(
+                self.metrics.e2e_request_latency
+            ).observe(self._loop.time() - request.arrival_s)  # fmt: skip
+        else:
+            reason = "abort"
+        self.metrics.labels(self.metrics.request_success, finished_reason=reason).inc()
+        request.stream._finish(output, error)
+        self._update_gauges()
+        self._notify()  # a slot is free: a loop asleep with an empty batch may admit now
+
+    def _output(self, request: Request) -> RequestOutput:
+        now = self._loop.time()
+        return request.state.to_output(
+            self.tokenizer,
+            time_to_first_token_s=(request.first_token_s or now) - request.arrival_s,
+            latency_s=now - request.arrival_s,
+            chunk_gaps_s=list(request.chunk_gaps_s),
+        )
+
+    def _update_gauges(self) -> None:
+        self.metrics.labels(self.metrics.num_requests_running).set(self.num_running)
+        self.metrics.labels(self.metrics.num_requests_waiting).set(len(self._waiting))

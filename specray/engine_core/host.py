@@ -1,0 +1,122 @@
+"""The engine core: the coordinator's round loop in the target group's rank 0, beside the
+forward, so that a round costs no Ray call (docs/design.md, "The engine core").
+
+An asyncio loop on its own thread runs :class:`~specray.engine_core.coordinator.Coordinator`;
+the target is this process's :class:`~specray.actors.target_worker.TargetWorker`, its rounds
+run one at a time on one thread (the GIL is released inside the forward, so the loop keeps
+serving front ends and draft workers meanwhile); the draft workers are the streams of
+:class:`~specray.engine_core.draft_streams.StreamDraftPool`; front ends are sessions
+(:mod:`specray.engine_core.sessions`). Ray places, starts, watches and replaces the processes;
+it is not on the per-round path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from specray.engine_core.coordinator import Coordinator, CoordinatorConfig
+from specray.engine_core.draft_streams import StreamDraftPool
+from specray.protocol import RoundReport, VerifyRound
+
+
+class LocalTarget:
+    """A :class:`specray.engine_core.backends.TargetBackend` over the TargetWorker in this process:
+    rounds and releases run in order on one thread."""
+
+    def __init__(self, worker, pool: StreamDraftPool, thread_init=None):
+        self.worker, self.pool = worker, pool
+        self._ordered = ThreadPoolExecutor(
+            1, thread_name_prefix="target-rounds", initializer=thread_init
+        )
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._ordered, fn, *args)
+
+    async def verify(self, round_: VerifyRound) -> RoundReport:
+        report = await self._call(self.worker.verify_round, round_)
+        # The round's verdicts wait for the commands the coordinator now gathers for the next
+        # round (one message per draft worker), or go alone at the end of this turn.
+        self.pool.schedule_flush()
+        return report
+
+    async def release(self, request_ids: list[str]) -> None:
+        await self._call(self.worker.release, request_ids)
+
+    async def ping(self) -> None:
+        """Nothing to cross: the target is in this process."""
+
+    async def held_requests(self) -> list[str]:
+        return self.worker.held_requests()
+
+    def close(self) -> None:
+        self._ordered.shutdown(wait=True)
+
+
+class EngineCoreHost:
+    """Starts the coordinator on its own loop thread over ``worker`` (rank 0) and its pool."""
+
+    def __init__(
+        self,
+        worker,
+        config: CoordinatorConfig,
+        *,
+        with_drafts: bool,
+        max_positions: int | None,
+        model_name: str = "default",
+        thread_init: Callable[[], None] | None = None,
+    ):
+        """``thread_init`` runs first on the loop's and the target's threads (the worker marks
+        them as its own round path, :mod:`specray.actors.ray_calls`)."""
+        self._thread_init = thread_init
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-core")
+        self._thread.daemon = True
+        self._thread.start()
+        self.target = LocalTarget(worker, worker.pool, thread_init)
+        self.pool = worker.pool if with_drafts else None
+
+        async def start() -> Coordinator:
+            coordinator = Coordinator(
+                self.target,
+                self.pool,
+                config,
+                vocab_size=worker.vocab_size,
+                eos_token_ids=worker.eos_token_ids,
+                max_positions=max_positions,
+                tokenizer=None,  # text is the front ends' work
+                model_name=model_name,
+            )
+            if self.pool is not None:
+                self.pool.bind(self.loop, coordinator.draft_worker_lost)
+            await coordinator.start()
+            return coordinator
+
+        self.coordinator = self.call(start())
+        self.started_s = time.monotonic()
+
+    def _run(self) -> None:
+        if self._thread_init is not None:
+            self._thread_init()
+        self.loop.run_forever()
+
+    def call(self, awaitable, timeout_s: float | None = None):
+        """Run a coroutine on the engine core's loop from another thread; wait for it."""
+
+        async def wrapped():
+            return await awaitable
+
+        return asyncio.run_coroutine_threadsafe(wrapped(), self.loop).result(timeout_s)
+
+    def stop(self, *, drain: bool = True) -> None:
+        if not self.loop.is_running():
+            return
+        self.call(self.coordinator.stop(drain=drain))
+        if self.pool is not None:
+            self.pool.unbind()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.target.close()

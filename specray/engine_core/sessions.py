@@ -1,0 +1,173 @@
+"""Front ends on the engine core: one long-lived ``EngineCore.Session`` stream each.
+
+A front end (the offline ``Engine``'s driver, a Serve ingress) sends
+:class:`~specray.protocol.FrontendBatch` messages (submissions, aborts) and receives one
+:class:`~specray.protocol.DeltaBatch` per round: the new tokens of every one of its requests
+that committed any, and the end of those that finished. Tokens only: text and stop strings are
+the front end's work, off the engine core's loop. A front end that goes away takes its
+requests with it (they are aborted and their worker state freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+
+import grpc
+
+from specray.errors import SpecrayError, error_to_dict
+from specray.outputs import RequestOutput
+from specray.protocol import (
+    Delta,
+    DeltaBatch,
+    ErrorInfo,
+    Finished,
+    FrontendBatch,
+    ProtocolError,
+    Submit,
+    decode,
+    encode,
+)
+from specray.v1 import speculation_pb2 as pb
+from specray.v1 import speculation_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+_CLOSED = object()
+
+
+def finished_of(output: RequestOutput) -> Finished:
+    metrics = output.metrics
+    return Finished(
+        finish_reason=output.finish_reason,
+        seed=output.seed,
+        num_drafts=metrics.num_drafts,
+        num_draft_tokens=metrics.num_draft_tokens,
+        num_accepted_tokens=metrics.num_accepted_tokens,
+        accepted_per_position=tuple(metrics.accepted_per_position),
+        num_target_steps=metrics.num_target_steps,
+        time_to_first_token_s=output.time_to_first_token_s or 0.0,
+        latency_s=output.latency_s or 0.0,
+        chunk_gaps_s=tuple(output.chunk_gaps_s or ()),
+    )
+
+
+def error_info(error: SpecrayError) -> ErrorInfo:
+    values = error_to_dict(error)
+    return ErrorInfo(values["type"], values["message"], values["param"])
+
+
+class Session:
+    """One front end's requests on the coordinator's loop (a :class:`StreamSink` for each)."""
+
+    def __init__(self, coordinator, loop: asyncio.AbstractEventLoop, send):
+        self.coordinator, self.loop, self._send = coordinator, loop, send
+        self.requests: set[str] = set()
+        self._tokens: dict[str, list[int]] = {}  # this turn's new tokens, per request
+        self._ends: dict[str, Delta] = {}
+        self._flush_scheduled = False
+        self.batches_sent = 0
+
+    async def take(self, batch: FrontendBatch) -> None:
+        for submit in batch.submits:
+            await self._submit(submit)
+        for request_id in batch.aborts:
+            self.coordinator.abort(request_id)
+        for request_id in batch.finishes:
+            self.coordinator.finish(request_id)
+
+    async def _submit(self, submit: Submit) -> None:
+        try:
+            stream = await self.coordinator.submit(
+                list(submit.prompt_token_ids),
+                submit.params,
+                request_id=submit.request_id,
+                timeout_s=submit.timeout_s,
+                num_speculative_tokens=submit.num_speculative_tokens,
+                committed_token_ids=submit.committed_token_ids,
+            )
+        except SpecrayError as error:
+            self.on_end(submit.request_id, None, error)
+            return
+        self.requests.add(submit.request_id)
+        stream.attach(self)
+
+    # ---- StreamSink ----------------------------------------------------------------------
+    def on_tokens(self, request_id: str, token_ids: list[int]) -> None:
+        self._tokens.setdefault(request_id, []).extend(token_ids)
+        self._schedule()
+
+    def on_end(self, request_id: str, output: RequestOutput | None, error) -> None:
+        self.requests.discard(request_id)
+        finished = finished_of(output) if output is not None else None
+        info = error_info(error) if error is not None else None
+        self._ends[request_id] = Delta(request_id, (), finished, info)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """One message with everything this turn of the loop committed or ended."""
+        self._flush_scheduled = False
+        deltas = []
+        for request_id, tokens in self._tokens.items():
+            end = self._ends.pop(request_id, None)
+            if end is None:
+                deltas.append(Delta(request_id, tuple(tokens)))
+            else:
+                deltas.append(Delta(request_id, tuple(tokens), end.finished, end.error))
+        deltas.extend(self._ends.values())
+        self._tokens.clear()
+        self._ends.clear()
+        if deltas:
+            self.batches_sent += 1
+            self._send(encode(DeltaBatch(tuple(deltas))))
+
+    def close(self) -> None:
+        """The front end went away: its requests end here."""
+        for request_id in list(self.requests):
+            self.coordinator.abort(request_id)
+        self.requests.clear()
+
+
+class EngineCoreServicer(pb_grpc.EngineCoreServicer):
+    """The ``EngineCore`` gRPC service; ``host()`` is the running engine core (or None)."""
+
+    def __init__(self, host):
+        self._host = host
+        self.sessions: list[Session] = []
+
+    def Session(self, request_iterator, context):
+        host = self._host()
+        if host is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no engine core runs on this target group")
+        outbox: queue.Queue = queue.Queue()
+        session = Session(host.coordinator, host.loop, lambda payload: outbox.put(payload))
+        self.sessions.append(session)
+
+        def read() -> None:
+            try:
+                for message in request_iterator:
+                    try:
+                        batch = decode(message.payload, FrontendBatch)
+                    except ProtocolError as error:  # another version: end the session, loudly
+                        log.error("closing a front-end session: %s", error)
+                        return
+                    asyncio.run_coroutine_threadsafe(session.take(batch), host.loop).result()
+            except grpc.RpcError:
+                pass  # the front end went away
+            finally:
+                host.loop.call_soon_threadsafe(session.close)
+                outbox.put(_CLOSED)
+
+        threading.Thread(target=read, name="frontend-session", daemon=True).start()
+        while True:
+            payload = outbox.get()
+            if payload is _CLOSED:
+                self.sessions.remove(session)
+                return
+            yield pb.FrontendMessage(payload=payload)

@@ -1,0 +1,47 @@
+"""Prompts to token ids: the one place a text prompt or chat turns become what a model reads.
+
+The offline engine, the served API, the benchmarks and distillation all encode here, so the
+same prompt gives the same ids on every path (an offline run and a served request agree token
+for token). No torch and no Ray: a tokenizer is all it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from specray.errors import InvalidRequestError
+
+
+def user_turn(text: str) -> list[dict[str, str]]:
+    """A text prompt as chat turns: one user message, the form an instruct model answers."""
+    return [{"role": "user", "content": text}]
+
+
+def prompt_token_ids(
+    tokenizer, prompt: str | Sequence[Mapping[str, str]], *, use_chat_template: bool
+) -> list[int]:
+    """Token ids of ``prompt`` for ``tokenizer`` (a Hugging Face tokenizer; callers that accept
+    ids without one check for it first, each with its own error).
+
+    - chat turns (``[{"role": "user", "content": "Hi"}, ...]``): rendered with the tokenizer's
+      chat template, the assistant's generation prompt appended. A tokenizer without a chat
+      template is an error: turns have no plain-text form.
+    - text with ``use_chat_template`` and a tokenizer that has a chat template: the text as one
+      user turn (:func:`user_turn`), rendered as above. Without a template, as below.
+    - text otherwise: the tokenizer's own encoding with its special tokens (a completion).
+
+    ``use_chat_template`` concerns text only; chat turns always go through the template.
+    """
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if isinstance(prompt, str):
+        if not (use_chat_template and has_template):
+            return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        prompt = user_turn(prompt)
+    elif not has_template:
+        raise InvalidRequestError(
+            "this model has no chat template: use completions instead", param="messages"
+        )
+    encoded = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+    if hasattr(encoded, "keys"):  # a BatchEncoding (transformers 5), else a list of ids
+        encoded = encoded["input_ids"]
+    return list(encoded)

@@ -1,0 +1,90 @@
+"""The engine core beside the target: per round, no Ray call, at most one message each way per
+draft worker and one delta batch per front end, whatever the batch size."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import ray
+
+from specray import SamplingParams
+from specray.cluster.distributed import DistributedBackend
+from specray.engine_core.client import EngineCoreClient
+from specray.engine_core.coordinator import CoordinatorConfig
+
+# A fixed block of 2 every round (adaptive k off), one micro-batch, draft-ahead on: every round
+# after a request's first drafts, so every round needs its draft worker.
+CONFIG = CoordinatorConfig(
+    max_running=16,
+    num_micro_batches=1,
+    num_speculative_tokens=2,
+    adaptive_k=False,
+    draft_ahead=True,
+    draft_deadline_s=5.0,
+)
+LENGTH = 48  # tokens per request (ignore_eos)
+# Rounds that are not steady: a request's first (prefill; the draft is handed it), its last
+# (released), and a spare for the draft's prefill reply arriving on its own.
+UNSTEADY_MESSAGES = 4
+
+
+@pytest.fixture(scope="module")
+def backend(cluster, tiny_pair):
+    backend = DistributedBackend(tiny_pair[1], tiny_pair[2])
+    yield backend
+    backend.shutdown()
+
+
+def _counts(backend: DistributedBackend, batch: int) -> dict:
+    """Run ``batch`` requests together (same length: they start and end in the same rounds)
+    through a fresh engine core and one session; return the round and message counts."""
+    draft = backend.drafts[0]
+    draft_before = ray.get(draft.stats.remote())
+    client = EngineCoreClient(backend.start_engine(CONFIG))
+    try:
+        params = [
+            SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True, seed=i)
+            for i in range(batch)
+        ]
+        core_before = backend.engine_stats()
+        outputs = client.generate([[1, 2, 3]] * batch, params)
+        core = backend.engine_stats()
+        batches_received = client.batches_received
+    finally:
+        client.close()
+        ray.get(backend.leader.stop_engine_core.remote(drain=True))
+    draft_after = ray.get(draft.stats.remote())
+    assert all(len(output.token_ids) == LENGTH for output in outputs)
+    assert sum(output.metrics.num_draft_tokens for output in outputs) > 0
+    return {
+        "rounds": core["stats"]["rounds"],
+        "down": core["pool"]["messages_sent"],
+        "up": core["pool"]["messages_received"],
+        "draft_down": draft_after["messages_received"] - draft_before["messages_received"],
+        "deltas_sent": core["sessions"],
+        "deltas_received": batches_received,
+        # Ray calls that reached the workers meanwhile, by method (the snapshots' own included)
+        "ray_target": dict(Counter(core["ray_calls"]) - Counter(core_before["ray_calls"])),
+        "ray_draft": dict(Counter(draft_after["ray_calls"]) - Counter(draft_before["ray_calls"])),
+    }
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_round_is_one_message_each_way_and_no_ray_call(backend, batch):
+    counts = _counts(backend, batch)
+    print(f"batch {batch}: {counts}")
+    rounds = counts["rounds"]
+    # Every round after the first speculates: one round commits at most k + 1 = 3 tokens.
+    assert rounds >= LENGTH // 3
+    # Ray is off the round path: only this test's own snapshots reached the workers through it.
+    assert counts["ray_target"] == {"engine_core_stats": 1}
+    assert counts["ray_draft"] == {"stats": 1}
+    # The draft worker: one command (with the verdicts) in, one block message (with the report
+    # on the previous command) out per round, however many requests the round holds.
+    assert counts["down"] <= rounds + UNSTEADY_MESSAGES
+    assert counts["draft_down"] == counts["down"]
+    assert rounds - UNSTEADY_MESSAGES <= counts["up"] <= rounds + UNSTEADY_MESSAGES
+    # The front end: one delta batch per round (every request's new tokens), plus the ends.
+    assert counts["deltas_sent"] == counts["deltas_received"]
+    assert counts["deltas_sent"] <= rounds + 1
