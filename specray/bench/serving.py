@@ -30,7 +30,7 @@ from specray.engine_core.coordinator_config import (
     CoordinatorConfig,
 )
 from specray.engine_core.costs import scaled
-from specray.outputs import ServedSummary, percentile
+from specray.outputs import ServedSummary, SpecDecodeMetrics, percentile
 from specray.prompts import prompt_token_ids
 from specray.sampling import SamplingParams
 
@@ -276,16 +276,19 @@ def _in_process_row(config: ServingBenchConfig, concurrency: int, prompts, param
     for wave in range(0, count, concurrency):
         outputs += engine.generate(chosen[wave : wave + concurrency], params)
     wall_s = time.perf_counter() - started
-    summary = ServedSummary.of(outputs)
+    metrics = SpecDecodeMetrics()
+    for output in outputs:
+        metrics.merge(output.metrics)
+    tokens = sum(len(output.token_ids) for output in outputs)
     return {
         "concurrency": concurrency,
         "mode": "in-process",
-        "tokens_per_s": summary.tokens / wall_s,
+        "tokens_per_s": tokens / wall_s,
         "requests": len(outputs),
-        "tokens": summary.tokens,
+        "tokens": tokens,
         "wall_s": wall_s,
-        "acceptance_rate": summary.metrics.acceptance_rate,
-        "mean_acceptance_length": summary.metrics.mean_acceptance_length,
+        "acceptance_rate": metrics.acceptance_rate,
+        "mean_acceptance_length": metrics.mean_acceptance_length,
         "num_speculative_tokens": engine.num_speculative_tokens,
     }
 
