@@ -13,15 +13,15 @@ import contextlib
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
-from specray.engine_core.client import frontend_bytes
-from specray.engine_core.streams import StreamDelta
+from specray.engine_core.client import frontend_bytes, output_of
+from specray.engine_core.streams import RequestStream
 from specray.errors import SpecrayError, UnavailableError, error_from_dict
-from specray.outputs import RequestOutput, SpecDecodeMetrics
-from specray.protocol import Delta, DeltaBatch, Finished, FrontendBatch, Submit, decode, encode
+from specray.outputs import RequestOutput
+from specray.protocol import Delta, DeltaBatch, FrontendBatch, Submit, decode, encode
 from specray.rpc.messages import grpc_options
 from specray.sampling import SamplingParams
 from specray.v1 import speculation_pb2 as pb
@@ -30,86 +30,42 @@ from specray.v1 import speculation_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
-def output_of(
-    request_id: str, prompt: Sequence[int], tokens: Sequence[int], finished: Finished
-) -> RequestOutput:
-    """A request's output from its delivered tokens and the engine core's end record."""
-    metrics = SpecDecodeMetrics(
-        num_drafts=finished.num_drafts,
-        num_draft_tokens=finished.num_draft_tokens,
-        num_accepted_tokens=finished.num_accepted_tokens,
-        accepted_per_position=list(finished.accepted_per_position),
-        num_target_steps=finished.num_target_steps,
-    )
-    return RequestOutput(
-        request_id=request_id,
-        prompt_token_ids=list(prompt),
-        token_ids=list(tokens),
-        text="",
-        finish_reason=finished.finish_reason,
-        seed=finished.seed,
-        metrics=metrics,
-        time_to_first_token_s=finished.time_to_first_token_s,
-        latency_s=finished.latency_s,
-        chunk_gaps_s=list(finished.chunk_gaps_s),
-    )
-
-
-class AsyncClientStream:
-    """One request's deltas (``async for``), as a coordinator's RequestStream."""
+class AsyncClientStream(RequestStream):
+    """One request's deltas (``async for``), as a coordinator's RequestStream; ``admitted``
+    resolves once the engine core took (or refused) the request."""
 
     def __init__(
         self, request_id: str, prompt_token_ids: Sequence[int], committed: Sequence[int] = ()
     ):
-        self.request_id, self.prompt_token_ids = request_id, list(prompt_token_ids)
+        super().__init__(request_id)
+        self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids: list[int] = list(committed)  # a resumed request's are its start
         self.admitted: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._queue: asyncio.Queue = asyncio.Queue()
         self.output: RequestOutput | None = None
 
     def _take(self, delta: Delta) -> None:
+        error = error_from_dict(delta.error.__dict__) if delta.error is not None else None
         if not self.admitted.done():
-            if delta.error is not None:
-                self.admitted.set_exception(error_from_dict(delta.error.__dict__))
+            if error is not None:
+                self.admitted.set_exception(error)
                 return
             self.admitted.set_result(None)
         self.token_ids.extend(delta.token_ids)
-        if delta.error is not None:
-            self._queue.put_nowait(error_from_dict(delta.error.__dict__))
-            return
+        if delta.token_ids:
+            self._push(list(delta.token_ids))
         if delta.finished is not None:
             self.output = output_of(
                 self.request_id, self.prompt_token_ids, self.token_ids, delta.finished
             )
-        if delta.token_ids or self.output is not None:
-            self._queue.put_nowait(StreamDelta(list(delta.token_ids), self.output))
+            self._finish(self.output, None)
+        elif error is not None:
+            self._finish(None, error)
 
     def _fail(self, error: SpecrayError) -> None:
         if not self.admitted.done():
             self.admitted.set_exception(error)
         else:
-            self._queue.put_nowait(error)
-
-    def next_ready(self) -> StreamDelta | None:
-        try:
-            item = self._queue.get_nowait()
-        except asyncio.QueueEmpty:
-            return None
-        if isinstance(item, SpecrayError):
-            raise item
-        return item
-
-    def __aiter__(self) -> AsyncIterator[StreamDelta]:
-        return self._iterate()
-
-    async def _iterate(self):
-        while True:
-            item = await self._queue.get()
-            if isinstance(item, SpecrayError):
-                raise item
-            yield item
-            if item.output is not None:
-                return
+            self._finish(None, error)
 
 
 class AsyncEngineCoreClient:

@@ -20,6 +20,7 @@ from specray.outputs import RequestOutput, SpecDecodeMetrics
 from specray.protocol import (
     Delta,
     DeltaBatch,
+    Finished,
     FrontendBatch,
     ProtocolError,
     Submit,
@@ -32,6 +33,32 @@ from specray.v1 import speculation_pb2 as pb
 from specray.v1 import speculation_pb2_grpc as pb_grpc
 
 _END = object()
+
+
+def output_of(
+    request_id: str, prompt: Sequence[int], tokens: Sequence[int], finished: Finished
+) -> RequestOutput:
+    """A request's output (text left empty) from its delivered tokens and the engine core's
+    end record."""
+    metrics = SpecDecodeMetrics(
+        num_drafts=finished.num_drafts,
+        num_draft_tokens=finished.num_draft_tokens,
+        num_accepted_tokens=finished.num_accepted_tokens,
+        accepted_per_position=list(finished.accepted_per_position),
+        num_target_steps=finished.num_target_steps,
+    )
+    return RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        token_ids=list(tokens),
+        text="",
+        finish_reason=finished.finish_reason,
+        seed=finished.seed,
+        metrics=metrics,
+        time_to_first_token_s=finished.time_to_first_token_s,
+        latency_s=finished.latency_s,
+        chunk_gaps_s=list(finished.chunk_gaps_s),
+    )
 
 
 def frontend_bytes(batch: FrontendBatch) -> bytes:
@@ -78,7 +105,12 @@ class ClientStream:
         if delta.error is not None:
             self._error = error_from_dict(delta.error.__dict__)
         elif delta.finished is not None:
-            self._output = self._client.output(self, delta.finished)
+            self._output = output_of(
+                self.request_id, self.prompt_token_ids, self.token_ids, delta.finished
+            )
+            tokenizer = self._client.tokenizer
+            if tokenizer is not None:  # decoded here, off the engine core's loop
+                self._output.text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
         if delta.token_ids or self._output is not None:
             self._events.put(StreamDelta(list(delta.token_ids), self._output))
         if delta.error is not None or delta.finished is not None:
@@ -143,30 +175,6 @@ class EngineCoreClient:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
             stream._fail(error)
-
-    def output(self, stream: ClientStream, finished) -> RequestOutput:
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(stream.token_ids, skip_special_tokens=True)
-        metrics = SpecDecodeMetrics(
-            num_drafts=finished.num_drafts,
-            num_draft_tokens=finished.num_draft_tokens,
-            num_accepted_tokens=finished.num_accepted_tokens,
-            accepted_per_position=list(finished.accepted_per_position),
-            num_target_steps=finished.num_target_steps,
-        )
-        return RequestOutput(
-            request_id=stream.request_id,
-            prompt_token_ids=stream.prompt_token_ids,
-            token_ids=list(stream.token_ids),
-            text=text,
-            finish_reason=finished.finish_reason,
-            seed=finished.seed,
-            metrics=metrics,
-            time_to_first_token_s=finished.time_to_first_token_s,
-            latency_s=finished.latency_s,
-            chunk_gaps_s=list(finished.chunk_gaps_s),
-        )
 
     def submit_many(self, submits: Sequence[tuple[list[int], SamplingParams, dict]]):
         """Submit several requests in one message; ``(prompt ids, params, options)`` each,
