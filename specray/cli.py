@@ -187,7 +187,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
                 spec.get("num_accepted_tokens_per_pos", ())
             )},
         }  # fmt: skip
-        print(json.dumps(record))
+        _print_json(json.dumps(record))
     else:
         print()
         print(
@@ -228,7 +228,7 @@ def _generate(args: argparse.Namespace) -> int:
     }
     record.update(record.pop("metrics"))
     if args.json:
-        print(json.dumps(record))
+        _print_json(json.dumps(record))
     else:
         print(output.text)
         print(
@@ -265,7 +265,7 @@ def _serving_bench(args: argparse.Namespace) -> int:
     )
     report = run_serving_bench(config)
     if args.json:
-        print(json.dumps(report, indent=2))
+        _print_json(json.dumps(report, indent=2))
     else:
         print_serving_report(report)
     return 0
@@ -283,7 +283,7 @@ def _overhead_bench(args: argparse.Namespace) -> int:
         requests_per_client=args.requests_per_client,
     )
     report = run_overhead_bench(config)
-    print(json.dumps(report, indent=2) if args.json else format_overhead(report))
+    _print_json(json.dumps(report, indent=2) if args.json else format_overhead(report))
     return 0
 
 
@@ -297,7 +297,7 @@ def _steps_bench(args: argparse.Namespace) -> int:
         contexts=parse_concurrency(args.contexts, param="--contexts"),
     )
     report = run_steps_bench(config)
-    print(json.dumps(report, indent=2) if args.json else format_steps(report))
+    _print_json(json.dumps(report, indent=2) if args.json else format_steps(report))
     return 0
 
 
@@ -329,11 +329,11 @@ def _bench(args: argparse.Namespace) -> int:
     )
     if args.backend == "distributed":
         report = run_distributed_bench(config)
-        print(json.dumps(report, indent=2))
+        _print_json(json.dumps(report, indent=2))
         return 0
     report = run_bench(config)
     if args.json:
-        print(json.dumps(report, indent=2))
+        _print_json(json.dumps(report, indent=2))
     else:
         print_report(report)
     if args.plot:
@@ -362,14 +362,35 @@ def _drafters_bench(args: argparse.Namespace) -> int:
     )
     report = run_drafters_bench(config)
     if args.json:
-        print(json.dumps(report, indent=2))
+        _print_json(json.dumps(report, indent=2))
     else:
         print_drafters_report(report)
     return 0
 
 
+_report_stream = sys.stdout  # where this command's --json report goes (see main)
+
+
+def _print_json(text: str) -> None:
+    print(text, file=_report_stream, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _report_stream
     args = _build_parser().parse_args(argv)
+    _report_stream = sys.stdout
+    if args.command not in ("generate", "bench") or not args.json:
+        return _main(args)
+    # Only the report on stdout: what else prints meanwhile (Ray's lines from its processes,
+    # progress) goes to stderr, so that the output parses as JSON.
+    sys.stdout = sys.stderr
+    try:
+        return _main(args)
+    finally:
+        sys.stdout = _report_stream
+
+
+def _main(args: argparse.Namespace) -> int:
     from specray.distill.cli import run_distill_cli
     from specray.ops.cli import run_cluster
     from specray.serve.cli import run_serve

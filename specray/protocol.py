@@ -176,6 +176,10 @@ class Submit:
     timeout_s: float | None = None
     num_speculative_tokens: int | None = None  # this request's largest k (None: the group's)
     committed_token_ids: tuple[int, ...] = ()  # already delivered (a resumed request)
+    # False: the caller waits for the whole output, so the session sends the request's first
+    # tokens (they also say it was admitted), then its progress at most every
+    # sessions.PROGRESS_INTERVAL_S (what a resume starts from), then its end.
+    stream: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """What the serving layers cost: the same greedy requests through ``Engine.generate`` in this
-process (``engine``), through the engine's distributed path (``ray``: the coordinator driving
-Ray actors, no Serve), and through the served application (Ray Serve, the coordinator, Ray
-actors) by the gRPC client library (``grpc``) and the OpenAI-compatible HTTP API (``http``), at
-each concurrency, in one run.
+process (``engine``), through the engine's distributed path (``ray``: the engine core beside the
+target, no Serve), and through the served application (Ray Serve, the engine core) by the gRPC
+client library (``grpc``: ``generate``, the whole output; ``grpc-stream``: ``stream``, every
+round's tokens) and the OpenAI-compatible HTTP API (``http``, not streamed), at each
+concurrency, in one run.
 
 With the default tiny random model the model's own time is negligible, so the differences are
 the machinery: per request (admission, front end, Serve handle) and per token (one round trip
@@ -41,7 +42,7 @@ class OverheadConfig:
 
 @dataclass
 class OverheadRow:
-    path: str  # engine | ray | grpc | http
+    path: str  # engine | ray | grpc | grpc-stream | http
     concurrency: int
     requests: int
     ms_per_request: float  # mean latency of one request
@@ -177,6 +178,10 @@ def _served_rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
                 completion = client.generate(prompt, **fields)
                 assert completion.completion_tokens == tokens
 
+            def grpc_stream_send(prompt: str) -> None:
+                chunks = list(client.stream(prompt, **fields))
+                assert chunks[-1].completion.completion_tokens == tokens
+
             def http_send(prompt: str) -> None:
                 body = json.dumps({"model": "bench", "prompt": prompt, **fields}).encode()
                 request = urllib.request.Request(
@@ -186,10 +191,11 @@ def _served_rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
                     reply = json.loads(response.read())
                 assert reply["usage"]["completion_tokens"] == tokens
 
-            for send in (grpc_send, http_send):  # warm up both paths
+            paths = (("grpc", grpc_send), ("grpc-stream", grpc_stream_send), ("http", http_send))
+            for _, send in paths:  # warm up every path
                 send(_prompt(0, 0))
             for concurrency in config.concurrency:
-                for path, send in (("grpc", grpc_send), ("http", http_send)):
+                for path, send in paths:
                     latencies, wall = _closed_loop(concurrency, config.requests_per_client, send)
                     rows.append(_row(path, concurrency, latencies, wall, tokens))
     finally:
@@ -216,11 +222,11 @@ def run_overhead_bench(config: OverheadConfig = OverheadConfig()) -> dict:
 
 def format_overhead(report: dict) -> str:
     lines = [
-        "path    conc  requests  ms/request  ms/token  tokens/s  +ms/request  +ms/token",
+        "path         conc  requests  ms/request  ms/token  tokens/s  +ms/request  +ms/token",
     ]
     for row in report["rows"]:
         lines.append(
-            f"{row['path']:<7} {row['concurrency']:>4}  {row['requests']:>8}  "
+            f"{row['path']:<12} {row['concurrency']:>4}  {row['requests']:>8}  "
             f"{row['ms_per_request']:>10.1f}  {row['ms_per_token']:>8.2f}  "
             f"{row['tokens_per_s']:>8.1f}  {row['overhead_ms_per_request']:>11.1f}  "
             f"{row['overhead_ms_per_token']:>9.2f}"

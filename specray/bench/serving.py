@@ -191,17 +191,27 @@ def _run_mode(backend, info, mode, config, concurrency, prompts, params, calibra
     }
 
 
-def pipelined_bound(row: dict, calibration) -> float:
+def pipelined_bound(row: dict, calibration, target_only: dict | None = None) -> float:
     """docs/design.md section 5 at batch 1: E / max(verify(K+1)/verify(1) + r/T, K·c), with the
-    measured acceptance and mean K of the row and the costs calibrated on the workers."""
+    measured acceptance and mean K of the row and the costs calibrated on the workers.
+
+    With ``target_only`` (that concurrency's target-only row): the same bound at the per-call
+    costs measured in the runs instead (each row's level over the calibration, and the row's
+    extra slowness of rounds that verify drafts, ``draft_round_scale``): on a machine where the
+    draft, the target and everything else share the cores, the draft's work slows the target's
+    forwards, which the calibrated bound does not know."""
     verify, draft = calibration
+    draft = draft or DEFAULT_DRAFT_PRIOR
     k = max(round(row["mean_k"]), 1)
     alpha = acceptance_from_mean_length(row["mean_acceptance_length"], k)
     expected = sum(alpha**i for i in range(k + 1))
     target_step_s = verify.seconds(1, 1)
-    ratio = verify.seconds(1, k + 1) / target_step_s
-    c = (draft or DEFAULT_DRAFT_PRIOR).seconds(1) / target_step_s
-    return expected / max(ratio + row["rtt_s"] / target_step_s, k * c)
+    verify_s, draft_s = verify.seconds(1, k + 1), draft.seconds(1)
+    if target_only is not None:
+        target_step_s *= target_only["verify_level"]
+        verify_s *= row["verify_level"] * row.get("draft_round_scale", 1.0)
+        draft_s *= row["draft_level"]
+    return expected / max((verify_s + row["rtt_s"]) / target_step_s, k * draft_s / target_step_s)
 
 
 def simulated_tokens_per_s(
@@ -347,6 +357,9 @@ def run_serving_bench(config: ServingBenchConfig) -> dict:
             bound = pipelined_bound(row, calibration)
             row["pipelined_bound"] = bound
             row["fraction_of_bound"] = row["speedup"] / bound
+            measured = pipelined_bound(row, calibration, baseline)
+            row["measured_bound"] = measured
+            row["fraction_of_measured_bound"] = row["speedup"] / measured
     for row in rows:
         del row["outputs"]
         row["simulated_tokens_per_s"] = simulated_tokens_per_s(row, config, calibration, traces)

@@ -123,17 +123,11 @@ class AsyncClient:
         metadata: Metadata | None = None,
         **sampling,
     ) -> Completion:
-        """The whole generation (streamed underneath)."""
-        chunks = self.stream(
-            prompt,
-            messages=messages,
-            prompt_token_ids=prompt_token_ids,
-            timeout=timeout,
-            metadata=metadata,
-            **sampling,
-        )
+        """The whole generation: one Final message (``final_only``), no Delta per round."""
+        request = build_request(prompt, messages, prompt_token_ids, sampling)
+        request.final_only = True
         completion = None
-        async for chunk in chunks:
+        async for chunk in self._chunks(request, timeout, self.config.call_metadata(metadata)):
             completion = chunk.completion or completion
         return completion  # the stream raised if it ended without one
 

@@ -121,16 +121,11 @@ class Client:
         metadata: Metadata | None = None,
         **sampling,
     ) -> Completion:
-        """The whole generation (streamed underneath)."""
+        """The whole generation: one Final message (``final_only``), no Delta per round."""
+        request = build_request(prompt, messages, prompt_token_ids, sampling)
+        request.final_only = True
         completion = None
-        for chunk in self.stream(
-            prompt,
-            messages=messages,
-            prompt_token_ids=prompt_token_ids,
-            timeout=timeout,
-            metadata=metadata,
-            **sampling,
-        ):
+        for chunk in self._chunks(request, timeout, self.config.call_metadata(metadata)):
             completion = chunk.completion or completion
         return completion  # the stream raised if it ended without one
 

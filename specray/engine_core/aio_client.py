@@ -142,9 +142,11 @@ class AsyncEngineCoreClient:
         timeout_s: float | None = None,
         num_speculative_tokens: int | None = None,
         committed_token_ids: Sequence[int] = (),
+        stream: bool = True,
     ) -> AsyncClientStream:
         """Admit a request or raise (invalid input, overload, draining) once the engine core
-        has decided."""
+        has decided. ``stream=False``: the caller wants the whole output only (its first
+        tokens, progress and end come, not every round's)."""
         if not self.healthy:
             raise UnavailableError("the engine core session is closed; retry")
         request_id = request_id or f"{self._prefix}{next(self._ids)}"
@@ -155,6 +157,7 @@ class AsyncEngineCoreClient:
             timeout_s=timeout_s,
             num_speculative_tokens=num_speculative_tokens,
             committed_token_ids=tuple(committed_token_ids),
+            stream=stream,
         )
         payload = frontend_bytes(FrontendBatch(submits=(submit,)))
         stream = AsyncClientStream(request_id, prompt_token_ids, committed_token_ids)

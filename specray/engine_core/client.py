@@ -192,6 +192,7 @@ class EngineCoreClient:
                     timeout_s=options.get("timeout_s"),
                     num_speculative_tokens=options.get("num_speculative_tokens"),
                     committed_token_ids=committed,
+                    stream=options.get("stream", True),
                 )
             )
             streams.append(stream)
@@ -205,14 +206,16 @@ class EngineCoreClient:
     def submit(
         self, prompt_token_ids: list[int], params: SamplingParams | None = None, **options
     ) -> ClientStream:
-        """``options``: request_id, timeout_s, num_speculative_tokens, committed_token_ids."""
+        """``options``: request_id, timeout_s, num_speculative_tokens, committed_token_ids,
+        stream (False: only the whole output is wanted, so the engine core sends the first
+        tokens, progress every ``sessions.PROGRESS_INTERVAL_S`` and the end, not every round)."""
         return self.submit_many([(prompt_token_ids, params or SamplingParams(), options)])[0]
 
     def generate(
         self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
     ) -> list[RequestOutput]:
         """Submit every prompt at once and wait for all outputs (in order)."""
-        submits = [(ids, p, {}) for ids, p in zip(prompts, params, strict=True)]
+        submits = [(ids, p, {"stream": False}) for ids, p in zip(prompts, params, strict=True)]
         return [stream.result() for stream in self.submit_many(submits)]
 
     def abort(self, request_id: str) -> None:

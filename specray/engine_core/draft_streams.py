@@ -167,14 +167,23 @@ class StreamDraftPool:
         return state.commands[-1]
 
     def _schedule_flush(self) -> None:
+        """(On the loop: commands are gathered there.)"""
         if not self._flush_scheduled and self._loop is not None:
             self._flush_scheduled = True
-            self._loop.call_soon_threadsafe(self.flush)
+            self._loop.call_soon(self.flush)
 
     def schedule_flush(self) -> None:
-        """Flush at the end of this turn of the loop (after whatever it still gathers)."""
+        """Flush at the end of this turn of the loop (after whatever it still gathers); called
+        on the loop, so no wake-up of the loop is needed (none at all with nothing staged)."""
+        # Unlocked look first: the target staged this round's verdicts before its round
+        # returned, and commands are gathered on this loop; nothing staged is the usual case
+        # without draft workers.
+        if not any(worker.verdicts or worker.commands for worker in self._workers):
+            return
         with self._lock:
-            self._schedule_flush()
+            if not self._flush_scheduled and self._loop is not None:
+                self._flush_scheduled = True
+                self._loop.call_soon(self.flush)
 
     # ---- sending -------------------------------------------------------------------------
     def flush(self) -> None:

@@ -13,14 +13,57 @@ it is not on the per-round path.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from specray.engine_core.coordinator import Coordinator, CoordinatorConfig
 from specray.engine_core.draft_streams import StreamDraftPool
 from specray.protocol import RoundReport, VerifyRound
+
+
+class _RoundThread:
+    """One thread that runs the target's calls in order. Results come back to the loop as one
+    ``call_soon_threadsafe`` each: no ``concurrent.futures`` future, lock and chaining per
+    round (what ``run_in_executor`` costs the loop on every round)."""
+
+    def __init__(self, thread_init: Callable[[], None] | None):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread_init = thread_init
+        self._thread = threading.Thread(target=self._run, name="target-rounds", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self._thread_init is not None:
+            self._thread_init()
+        while (call := self._calls.get()) is not None:
+            loop, future, fn, args = call
+            try:
+                result = fn(*args)
+            except BaseException as error:  # handed to the awaiting coroutine
+                loop.call_soon_threadsafe(_settle, future, None, error)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+
+    def submit(self, fn, *args) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._calls.put((loop, future, fn, args))
+        return future
+
+    def close(self) -> None:
+        self._calls.put(None)
+        self._thread.join(timeout=30)
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.cancelled():  # its coroutine went away (the loop is stopping)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class LocalTarget:
@@ -29,22 +72,17 @@ class LocalTarget:
 
     def __init__(self, worker, pool: StreamDraftPool, thread_init=None):
         self.worker, self.pool = worker, pool
-        self._ordered = ThreadPoolExecutor(
-            1, thread_name_prefix="target-rounds", initializer=thread_init
-        )
-
-    async def _call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._ordered, fn, *args)
+        self._ordered = _RoundThread(thread_init)
 
     async def verify(self, round_: VerifyRound) -> RoundReport:
-        report = await self._call(self.worker.verify_round, round_)
+        report = await self._ordered.submit(self.worker.verify_round, round_)
         # The round's verdicts wait for the commands the coordinator now gathers for the next
         # round (one message per draft worker), or go alone at the end of this turn.
         self.pool.schedule_flush()
         return report
 
     async def release(self, request_ids: list[str]) -> None:
-        await self._call(self.worker.release, request_ids)
+        await self._ordered.submit(self.worker.release, request_ids)
 
     async def ping(self) -> None:
         """Nothing to cross: the target is in this process."""
@@ -53,7 +91,7 @@ class LocalTarget:
         return self.worker.held_requests()
 
     def close(self) -> None:
-        self._ordered.shutdown(wait=True)
+        self._ordered.close()
 
 
 class EngineCoreHost:

@@ -1,12 +1,14 @@
 """Front ends on the engine core: one long-lived ``EngineCore.Session`` stream each.
 
 A front end (the offline ``Engine``'s driver, a Serve ingress) sends
-:class:`~specray.protocol.FrontendBatch` messages (submissions, aborts) and receives one
-:class:`~specray.protocol.DeltaBatch` per round: the new tokens of every one of its requests
-that committed any, and the end of those that finished. Tokens only: text and stop strings are
-the front end's work, off the engine core's loop. A front end that goes away takes its
-requests with it (they are aborted and their worker state freed).
-"""
+:class:`~specray.protocol.FrontendBatch` messages (submissions, aborts) and receives at most
+one :class:`~specray.protocol.DeltaBatch` per round: the new tokens of its streamed requests
+that committed any, and the end of those that finished. A request whose caller waits for the
+whole output is not streamed: its first tokens, its progress every ``PROGRESS_INTERVAL_S`` and
+its end (a message per round costs the engine core's process more than a small model's
+forward). Tokens only: text and stop strings are the front end's work, off the engine core's
+loop. A front end that goes away takes its requests with it (they are aborted and their worker
+state freed)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ from specray.v1 import speculation_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 _CLOSED = object()
+# A request whose caller waits for the whole output (``Submit.stream`` False) reports its
+# progress this often: the tokens a resume on another group starts from.
+PROGRESS_INTERVAL_S = 0.25
 
 
 def finished_of(output: RequestOutput) -> Finished:
@@ -67,6 +72,9 @@ class Session:
         self._tokens: dict[str, list[int]] = {}  # this turn's new tokens, per request
         self._ends: dict[str, Delta] = {}
         self._flush_scheduled = False
+        self._unstreamed: set[str] = set()  # submitted with stream=False
+        self._quiet: set[str] = set()  # of them, those whose first tokens went out
+        self._progress: asyncio.TimerHandle | None = None
         self.batches_sent = 0
 
     async def take(self, batch: FrontendBatch) -> None:
@@ -91,18 +99,32 @@ class Session:
             self.on_end(submit.request_id, None, error)
             return
         self.requests.add(submit.request_id)
+        if not submit.stream:
+            self._unstreamed.add(submit.request_id)
         stream.attach(self)
 
     # ---- StreamSink ----------------------------------------------------------------------
     def on_tokens(self, request_id: str, token_ids: list[int]) -> None:
         self._tokens.setdefault(request_id, []).extend(token_ids)
+        if request_id in self._quiet:  # travels with the next message, or its progress
+            if self._progress is None:
+                self._progress = self.loop.call_later(PROGRESS_INTERVAL_S, self._report)
+            return
+        if request_id in self._unstreamed:  # its first tokens go now (its admission)
+            self._quiet.add(request_id)
         self._schedule()
 
     def on_end(self, request_id: str, output: RequestOutput | None, error) -> None:
         self.requests.discard(request_id)
+        self._unstreamed.discard(request_id)
+        self._quiet.discard(request_id)
         finished = finished_of(output) if output is not None else None
         info = error_info(error) if error is not None else None
         self._ends[request_id] = Delta(request_id, (), finished, info)
+        self._schedule()
+
+    def _report(self) -> None:
+        self._progress = None
         self._schedule()
 
     def _schedule(self) -> None:
@@ -111,8 +133,12 @@ class Session:
             self.loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """One message with everything this turn of the loop committed or ended."""
+        """One message with everything this turn of the loop committed or ended (and what
+        unstreamed requests committed since the last message)."""
         self._flush_scheduled = False
+        if self._progress is not None:  # what it would report goes now
+            self._progress.cancel()
+            self._progress = None
         deltas = []
         for request_id, tokens in self._tokens.items():
             end = self._ends.pop(request_id, None)
@@ -129,6 +155,9 @@ class Session:
 
     def close(self) -> None:
         """The front end went away: its requests end here."""
+        if self._progress is not None:
+            self._progress.cancel()
+            self._progress = None
         for request_id in list(self.requests):
             self.coordinator.abort(request_id)
         self.requests.clear()

@@ -94,6 +94,7 @@ def request_from_proto(message: pb.GenerateRequest, *, timeout_s: float | None) 
         else None,
         request_id=message.request_id or None,
         timeout_s=timeout_s,
+        stream=not message.final_only,
     )
 
 
@@ -173,6 +174,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             generate_request = request_from_proto(request, timeout_s=_time_remaining_s(context))
             events = self._backend.generate(generate_request)
             async for event in events:
+                if request.final_only and event.get("kind") != "final":
+                    continue
                 await context.write(response_from_event(event))
             return
         except SpecrayError as error:

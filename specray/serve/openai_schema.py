@@ -268,6 +268,7 @@ def _build(
                     num_speculative_tokens=k,
                     request_id=call_id if single else f"{call_id}-{index}",
                     timeout_s=timeout_s,
+                    stream=stream,
                 )
             )
     return ApiCall(

@@ -47,6 +47,10 @@ class GenerateRequest:
     # Output tokens already committed and delivered to the caller: the ingress resumes a request
     # whose coordinator or target group failed from them (internal; no public API sets it).
     resume_token_ids: tuple[int, ...] = ()
+    # False: the caller takes the whole output at the end (a non-streamed completion), so the
+    # engine core need not send every round's tokens (stop strings still stream: they are
+    # matched here, at the front end).
+    stream: bool = True
 
     def __post_init__(self) -> None:
         given = [
@@ -115,6 +119,10 @@ class GenerateRequest:
         ):
             raise InvalidRequestError(f"resume token ids must be integers >= 0, got {resume!r}")
         object.__setattr__(self, "resume_token_ids", tuple(resume))
+        if not isinstance(self.stream, bool):
+            raise InvalidRequestError(
+                f"stream must be true or false, got {self.stream!r}", param="stream"
+            )
 
     def to_dict(self) -> dict:
         """Plain values only (crosses Ray without pickling specray classes)."""
@@ -130,6 +138,7 @@ class GenerateRequest:
             "request_id": self.request_id,
             "timeout_s": self.timeout_s,
             "resume_token_ids": list(self.resume_token_ids),
+            "stream": self.stream,
         }
 
     @classmethod

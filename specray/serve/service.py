@@ -112,6 +112,7 @@ class CoordinatorService:
             timeout_s=request.timeout_s,
             num_speculative_tokens=request.num_speculative_tokens,
             committed_token_ids=request.resume_token_ids,
+            stream=request.stream or bool(request.stop),
         )
         request_id = stream.request_id
         text = TextStream(self.tokenizer, request.stop)

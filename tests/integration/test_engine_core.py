@@ -1,8 +1,10 @@
 """The engine core beside the target: per round, no Ray call, at most one message each way per
-draft worker and one delta batch per front end, whatever the batch size."""
+draft worker and one delta batch per front end, whatever the batch size; requests whose caller
+waits for the whole output cost their front end a few messages, not one per round."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -36,7 +38,7 @@ def backend(cluster, tiny_pair):
     backend.shutdown()
 
 
-def _counts(backend: DistributedBackend, batch: int) -> dict:
+def _counts(backend: DistributedBackend, batch: int, *, stream: bool = True) -> dict:
     """Run ``batch`` requests together (same length: they start and end in the same rounds)
     through a fresh engine core and one session; return the round and message counts."""
     draft = backend.drafts[0]
@@ -48,7 +50,10 @@ def _counts(backend: DistributedBackend, batch: int) -> dict:
             for i in range(batch)
         ]
         core_before = backend.engine_stats()
-        outputs = client.generate([[1, 2, 3]] * batch, params)
+        started = time.monotonic()
+        streams = client.submit_many([([1, 2, 3], p, {"stream": stream}) for p in params])
+        outputs = [s.result() for s in streams]
+        elapsed_s = time.monotonic() - started
         core = backend.engine_stats()
         batches_received = client.batches_received
     finally:
@@ -64,6 +69,7 @@ def _counts(backend: DistributedBackend, batch: int) -> dict:
         "draft_down": draft_after["messages_received"] - draft_before["messages_received"],
         "deltas_sent": core["sessions"],
         "deltas_received": batches_received,
+        "elapsed_s": elapsed_s,
         # Ray calls that reached the workers meanwhile, by method (the snapshots' own included)
         "ray_target": dict(Counter(core["ray_calls"]) - Counter(core_before["ray_calls"])),
         "ray_draft": dict(Counter(draft_after["ray_calls"]) - Counter(draft_before["ray_calls"])),
@@ -88,3 +94,21 @@ def test_a_round_is_one_message_each_way_and_no_ray_call(backend, batch):
     # The front end: one delta batch per round (every request's new tokens), plus the ends.
     assert counts["deltas_sent"] == counts["deltas_received"]
     assert counts["deltas_sent"] <= rounds + 1
+
+
+def test_unstreamed_requests_send_first_tokens_progress_and_end(backend):
+    """``stream=False`` (what ``Engine.generate`` and non-streamed API calls send): the session
+    sends the first tokens (the front end's sign of admission), progress at most every
+    PROGRESS_INTERVAL_S and the end, not a message per round; the outputs are whole."""
+    from specray.engine_core.sessions import PROGRESS_INTERVAL_S
+
+    batch = 4
+    counts = _counts(backend, batch, stream=False)
+    print(f"unstreamed: {counts}")
+    assert counts["rounds"] >= LENGTH // 3
+    assert counts["deltas_sent"] == counts["deltas_received"]
+    # Each request's first tokens and its end (requests admitted between two rounds start and
+    # end a round apart), and the progress reports: far fewer than a message per round.
+    progress = counts["elapsed_s"] / PROGRESS_INTERVAL_S + 1
+    assert counts["deltas_sent"] <= 2 * batch + progress
+    assert counts["deltas_sent"] < counts["rounds"]

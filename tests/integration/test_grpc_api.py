@@ -240,6 +240,26 @@ def test_streamed_greedy_output_equals_the_engine(served, engine_greedy, client_
     assert [t for chunk in chunks for t in chunk.token_ids] == expected_chat
 
 
+def test_final_only_sends_the_final_message_alone(served, engine_greedy):
+    """``final_only`` (what ``Client.generate`` sets): one Final message with the whole output,
+    no Delta; without it the same request streams its deltas."""
+    expected_plain, _ = engine_greedy
+    fields = dict(max_tokens=24, ignore_eos=True, temperature=0.0)
+    with grpc.insecure_channel(served.target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT_IDS), **fields)
+        streamed = list(stub.Generate(request, timeout=120))
+        request.final_only = True
+        alone = list(stub.Generate(request, timeout=120))
+    assert [r.WhichOneof("event") for r in alone] == ["final"]
+    assert list(alone[0].final.token_ids) == expected_plain
+    assert [r.WhichOneof("event") for r in streamed[:-1]] == ["delta"] * (len(streamed) - 1)
+    assert len(streamed) > 2 and list(streamed[-1].final.token_ids) == expected_plain
+    with Client(served.target) as client:
+        completion = client.generate(prompt_token_ids=PROMPT_IDS, **fields)
+    assert list(completion.token_ids) == expected_plain
+
+
 def test_seeded_sampling_is_reproducible_and_reports_the_seed(served):
     # A seed fixes the sample for a fixed round structure: speculation off for these requests
     # (the coordinator's adaptive rounds give a different, equally exact sample; README).
