@@ -1,15 +1,16 @@
 """What the serving layers cost: the same greedy requests through ``Engine.generate`` in this
 process (``engine``), through the engine's distributed path (``ray``: the engine core beside the
-target, no Serve), and through the served application (Ray Serve, the engine core) by the gRPC
-client library (``grpc``: ``generate``, the whole output; ``grpc-stream``: ``stream``, every
-round's tokens) and the OpenAI-compatible HTTP API (``http``, not streamed), at each
-concurrency, in one run.
+target, no Serve), through a driver's session on the served application's own engine core
+(``session``: that engine core without Serve in front), and through the served application
+(Ray Serve, the engine core) by the gRPC client library (``grpc``: ``generate``, the whole
+output; ``grpc-stream``: ``stream``, every round's tokens) and the OpenAI-compatible HTTP API
+(``http``, not streamed), at each concurrency, in one run; the session and the served paths
+take turns, ``repeats`` times.
 
 With the default tiny random model the model's own time is negligible, so the differences are
-the machinery: per request (admission, front end, Serve handle) and per token (one round trip
-per round through the coordinator and the target actor). Every request generates exactly
-``max_tokens`` tokens (``ignore_eos``), so per-token figures are comparable.
-"""
+the machinery: per request (admission, front end, Serve handle) and per token (the engine
+core's round and its messages). Every request generates exactly ``max_tokens`` tokens
+(``ignore_eos``), so per-token figures are comparable."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass
 
+from specray.prompts import prompt_token_ids
+from specray.sampling import SamplingParams
+
 
 @dataclass(frozen=True)
 class OverheadConfig:
@@ -30,6 +34,7 @@ class OverheadConfig:
     max_tokens: int = 32
     concurrency: tuple[int, ...] = (1, 16)
     requests_per_client: int = 3
+    repeats: int = 2  # turns of the served paths at each concurrency (summed)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -38,11 +43,13 @@ class OverheadConfig:
             raise ValueError(f"concurrency must hold positive integers, got {self.concurrency}")
         if self.requests_per_client < 1:
             raise ValueError(f"requests_per_client must be >= 1, got {self.requests_per_client}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
 
 @dataclass
 class OverheadRow:
-    path: str  # engine | ray | grpc | grpc-stream | http
+    path: str  # engine | ray | session | grpc | grpc-stream | http
     concurrency: int
     requests: int
     ms_per_request: float  # mean latency of one request
@@ -171,8 +178,15 @@ def _served_rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
     endpoints = launch.start(launch.deploy_config(args, http_port=_free_port()))
     tokens = config.max_tokens
     fields = {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    session = _served_group_session(target)
+    params = SamplingParams(**fields)
     try:
         with Client(endpoints.grpc) as client:
+
+            def session_send(prompt: str) -> None:
+                ids = prompt_token_ids(session.tokenizer, prompt, use_chat_template=False)
+                output = session.submit(ids, params, stream=False).result()
+                assert len(output.token_ids) == tokens
 
             def grpc_send(prompt: str) -> None:
                 completion = client.generate(prompt, **fields)
@@ -191,17 +205,47 @@ def _served_rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
                     reply = json.loads(response.read())
                 assert reply["usage"]["completion_tokens"] == tokens
 
-            paths = (("grpc", grpc_send), ("grpc-stream", grpc_stream_send), ("http", http_send))
+            paths = (
+                ("session", session_send),
+                ("grpc", grpc_send),
+                ("grpc-stream", grpc_stream_send),
+                ("http", http_send),
+            )
             for _, send in paths:  # warm up every path
                 send(_prompt(0, 0))
             for concurrency in config.concurrency:
-                for path, send in paths:
-                    latencies, wall = _closed_loop(concurrency, config.requests_per_client, send)
+                # The paths take turns, ``repeats`` times: a slow spell of the machine then
+                # falls on every path rather than on one.
+                runs: dict[str, list[tuple[list[float], float]]] = {path: [] for path, _ in paths}
+                for _ in range(config.repeats):
+                    for path, send in paths:
+                        runs[path].append(
+                            _closed_loop(concurrency, config.requests_per_client, send)
+                        )
+                for path, measured in runs.items():
+                    latencies = [latency for run, _ in measured for latency in run]
+                    wall = sum(wall for _, wall in measured)
                     rows.append(_row(path, concurrency, latencies, wall, tokens))
     finally:
+        session.close()
         launch.stop()
         ray.shutdown()
     return rows
+
+
+def _served_group_session(target: str):
+    """A driver's session (what ``Engine(cluster=...)`` speaks) on the served application's own
+    engine core: beside the served paths, the same engine core without Serve in front."""
+    import ray
+
+    from specray.engine_core.client import EngineCoreClient
+    from specray.models.loading import load_model_info
+    from specray.serve.launch import APP_NAME
+    from specray.serve.registry import get_registry
+
+    endpoints = ray.get(get_registry(APP_NAME).endpoints.remote())
+    address = next(iter(endpoints.values()))["address"]
+    return EngineCoreClient(address, tokenizer=load_model_info(target).tokenizer)
 
 
 def run_overhead_bench(config: OverheadConfig = OverheadConfig()) -> dict:
