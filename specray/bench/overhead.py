@@ -4,8 +4,8 @@ target, no Serve), through a driver's session on the served application's own en
 (``session``: that engine core without Serve in front), and through the served application
 (Ray Serve, the engine core) by the gRPC client library (``grpc``: ``generate``, the whole
 output; ``grpc-stream``: ``stream``, every round's tokens) and the OpenAI-compatible HTTP API
-(``http``, not streamed), at each concurrency, in one run; the session and the served paths
-take turns, ``repeats`` times.
+(``http``, not streamed), at each concurrency, in one run: every path is alive throughout and
+they take turns, ``repeats`` times, so that the machine's slow spells fall on all of them.
 
 With the default tiny random model the model's own time is negligible, so the differences are
 the machinery: per request (admission, front end, Serve handle) and per token (the engine
@@ -113,52 +113,55 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _engine_rows(
-    config: OverheadConfig, target: str, path: str = "engine", cluster: str | None = None
-) -> list[OverheadRow]:
-    """The engine takes a batch per call: a wave of ``concurrency`` requests at a time.
-    ``cluster="auto"``: its distributed path (the coordinator driving Ray actors), no Serve."""
-    from specray import Engine, SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=config.max_tokens, ignore_eos=True)
-    engine = Engine(target, draft=config.draft, cluster=cluster)
-    engine.generate([_prompt(0, 0)], params, use_chat_template=False)  # warm up
-    rows = []
-    for concurrency in config.concurrency:
-        latencies = []
-        before = engine.engine_stats() if cluster else None
-        started = time.perf_counter()
-        for index in range(config.requests_per_client):
-            prompts = [_prompt(n, index) for n in range(concurrency)]
-            wave = time.perf_counter()
-            outputs = engine.generate(prompts, params, use_chat_template=False)
-            assert all(len(o.token_ids) == config.max_tokens for o in outputs)
-            latencies += [time.perf_counter() - wave] * concurrency
-        wall = time.perf_counter() - started
-        row = _row(path, concurrency, latencies, wall, config.max_tokens)
-        if cluster:
-            _count_messages(row, before, engine.engine_stats())
-        rows.append(row)
-    engine.shutdown()
-    return rows
+def _waves(engine, config: OverheadConfig, concurrency: int, params) -> tuple[list[float], float]:
+    """The engine takes a batch per call: ``requests_per_client`` waves of ``concurrency``
+    requests; each request's latency is its wave's."""
+    latencies = []
+    started = time.perf_counter()
+    for index in range(config.requests_per_client):
+        prompts = [_prompt(n, index) for n in range(concurrency)]
+        wave = time.perf_counter()
+        outputs = engine.generate(prompts, params, use_chat_template=False)
+        assert all(len(o.token_ids) == config.max_tokens for o in outputs)
+        latencies += [time.perf_counter() - wave] * concurrency
+    return latencies, time.perf_counter() - started
 
 
-def _count_messages(row: OverheadRow, before: dict, after: dict) -> None:
-    """Per-round control messages between two engine-core snapshots (the second snapshot's
-    own Ray call is not the rounds' doing)."""
-    rounds = after["stats"]["rounds"] - before["stats"]["rounds"]
-    ray_calls = sum(after["ray_calls"].values()) - sum(before["ray_calls"].values()) - 1
-    pool = ("messages_sent", "messages_received")
-    draft = sum(after["pool"][key] - before["pool"][key] for key in pool)
-    row.rounds = rounds
-    row.ray_calls_per_round = ray_calls / max(rounds, 1)
-    row.draft_messages_per_round = draft / max(rounds, 1)
-    row.delta_batches_per_round = (after["sessions"] - before["sessions"]) / max(rounds, 1)
+@dataclass
+class _Counts:
+    """Control messages summed over the distributed engine's turns."""
+
+    rounds: int = 0
+    ray_calls: int = 0
+    draft_messages: int = 0
+    delta_batches: int = 0
+
+    def add(self, before: dict, after: dict) -> None:
+        """Between two engine-core snapshots (the second snapshot's own Ray call is not the
+        rounds' doing)."""
+        self.rounds += after["stats"]["rounds"] - before["stats"]["rounds"]
+        calls = sum(after["ray_calls"].values()) - sum(before["ray_calls"].values())
+        self.ray_calls += calls - 1
+        pool = ("messages_sent", "messages_received")
+        self.draft_messages += sum(after["pool"][key] - before["pool"][key] for key in pool)
+        self.delta_batches += after["sessions"] - before["sessions"]
+
+    def fill(self, row: OverheadRow) -> None:
+        rounds = max(self.rounds, 1)
+        row.rounds = self.rounds
+        row.ray_calls_per_round = self.ray_calls / rounds
+        row.draft_messages_per_round = self.draft_messages / rounds
+        row.delta_batches_per_round = self.delta_batches / rounds
 
 
-def _served_rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
+def _rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
+    """The in-process engine, the distributed engine (``ray``, its own engine core) and the
+    served application (its engine core: a driver's ``session`` on it, and the served paths),
+    alive together and taking turns at each concurrency, ``repeats`` times: a slow spell of
+    the machine then falls on every path rather than on one."""
     import ray
 
+    from specray import Engine
     from specray.client import Client
     from specray.cluster.distributed import connect
     from specray.cluster.placement import PlacementConfig
@@ -174,12 +177,14 @@ def _served_rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
         max_queue=max(config.concurrency),
     )
     connect("auto", PlacementConfig())
-    rows = _engine_rows(config, target, "ray", cluster="auto")
-    endpoints = launch.start(launch.deploy_config(args, http_port=_free_port()))
     tokens = config.max_tokens
     fields = {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}
-    session = _served_group_session(target)
     params = SamplingParams(**fields)
+    local = Engine(target, draft=config.draft)
+    engine = Engine(target, draft=config.draft, cluster="auto")
+    endpoints = launch.start(launch.deploy_config(args, http_port=_free_port()))
+    session = _served_group_session(target)
+    rows = []
     try:
         with Client(endpoints.grpc) as client:
 
@@ -211,13 +216,19 @@ def _served_rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
                 ("grpc-stream", grpc_stream_send),
                 ("http", http_send),
             )
-            for _, send in paths:  # warm up every path
+            for warm in (local, engine):
+                warm.generate([_prompt(0, 0)], params, use_chat_template=False)
+            for _, send in paths:
                 send(_prompt(0, 0))
             for concurrency in config.concurrency:
-                # The paths take turns, ``repeats`` times: a slow spell of the machine then
-                # falls on every path rather than on one.
-                runs: dict[str, list[tuple[list[float], float]]] = {path: [] for path, _ in paths}
+                runs: dict[str, list[tuple[list[float], float]]] = {"engine": [], "ray": []}
+                runs |= {path: [] for path, _ in paths}
+                counts = _Counts()
                 for _ in range(config.repeats):
+                    runs["engine"].append(_waves(local, config, concurrency, params))
+                    before = engine.engine_stats()
+                    runs["ray"].append(_waves(engine, config, concurrency, params))
+                    counts.add(before, engine.engine_stats())
                     for path, send in paths:
                         runs[path].append(
                             _closed_loop(concurrency, config.requests_per_client, send)
@@ -226,8 +237,11 @@ def _served_rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
                     latencies = [latency for run, _ in measured for latency in run]
                     wall = sum(wall for _, wall in measured)
                     rows.append(_row(path, concurrency, latencies, wall, tokens))
+                    if path == "ray":
+                        counts.fill(rows[-1])
     finally:
         session.close()
+        engine.shutdown()
         launch.stop()
         ray.shutdown()
     return rows
@@ -255,7 +269,7 @@ def run_overhead_bench(config: OverheadConfig = OverheadConfig()) -> dict:
             from specray.models.tiny import save_tiny_model
 
             target = save_tiny_model(folder)
-        rows = _engine_rows(config, target) + _served_rows(config, target)
+        rows = _rows(config, target)
     engine = {row.concurrency: row for row in rows if row.path == "engine"}
     for row in rows:
         base = engine[row.concurrency]
