@@ -18,11 +18,11 @@ import json
 import socket
 import statistics
 import tempfile
-import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
 
+from specray.bench.clients import run_clients
 from specray.prompts import prompt_token_ids
 from specray.sampling import SamplingParams
 
@@ -73,25 +73,15 @@ def _prompt(client: int, index: int) -> str:
 def _closed_loop(concurrency: int, per_client: int, send) -> tuple[list[float], float]:
     """``concurrency`` clients each sending ``per_client`` requests back to back."""
     latencies: list[float] = []
-    errors: list[BaseException] = []
 
     def client(number: int) -> None:
-        try:
-            for index in range(per_client):
-                started = time.perf_counter()
-                send(_prompt(number, index))
-                latencies.append(time.perf_counter() - started)
-        except BaseException as error:  # surfaced below, not lost in a thread
-            errors.append(error)
+        for index in range(per_client):
+            started = time.perf_counter()
+            send(_prompt(number, index))
+            latencies.append(time.perf_counter() - started)
 
-    threads = [threading.Thread(target=client, args=(n,)) for n in range(concurrency)]
     started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    run_clients(concurrency, client)
     return latencies, time.perf_counter() - started
 
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 
+from specray.bench.clients import run_clients
 from specray.bench.main import acceptance_from_mean_length, load_prompts
 from specray.cluster.placement import PlacementConfig
 from specray.engine_core.client import EngineCoreClient
@@ -96,23 +96,13 @@ def _mode_config(
 def _closed_loop(client, prompts, params, concurrency, per_client) -> list:
     """``concurrency`` clients, each sending ``per_client`` prompts one after the other."""
     results: list[list] = [[] for _ in range(concurrency)]
-    errors: list[BaseException] = []
 
     def client_loop(index: int) -> None:
-        try:
-            for turn in range(per_client):
-                prompt = prompts[(index * per_client + turn) % len(prompts)]
-                results[index].append(client.submit(prompt, params).result())
-        except BaseException as error:  # surfaced below, not lost in a thread
-            errors.append(error)
+        for turn in range(per_client):
+            prompt = prompts[(index * per_client + turn) % len(prompts)]
+            results[index].append(client.submit(prompt, params).result())
 
-    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    run_clients(concurrency, client_loop)
     return [output for outputs in results for output in outputs]
 
 

@@ -17,11 +17,11 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
-from specray.engine_core.client import frontend_bytes, output_of
+from specray.engine_core.client import deliver, frontend_bytes, output_of
 from specray.engine_core.streams import RequestStream
 from specray.errors import SpecrayError, UnavailableError, error_from_dict
 from specray.outputs import RequestOutput
-from specray.protocol import Delta, DeltaBatch, FrontendBatch, Submit, decode, encode
+from specray.protocol import Delta, FrontendBatch, Submit, encode
 from specray.rpc.messages import grpc_options
 from specray.sampling import SamplingParams
 from specray.v1 import speculation_pb2 as pb
@@ -108,12 +108,7 @@ class AsyncEngineCoreClient:
         try:
             async for message in self._call:
                 self.batches_received += 1
-                for delta in decode(message.payload, DeltaBatch).deltas:
-                    stream = self._streams.get(delta.request_id)
-                    if delta.finished is not None or delta.error is not None:
-                        self._streams.pop(delta.request_id, None)
-                    if stream is not None:
-                        stream._take(delta)
+                deliver(message.payload, self._streams)
         except grpc.RpcError as failure:
             error = UnavailableError(f"the engine core session failed: {failure.code().name}")
         except asyncio.CancelledError:

@@ -6,6 +6,7 @@ Outputs are assembled here from the deltas: text is decoded here, not on the eng
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -59,6 +60,20 @@ def output_of(
         latency_s=finished.latency_s,
         chunk_gaps_s=list(finished.chunk_gaps_s),
     )
+
+
+def deliver(payload: bytes, streams: dict, lock: threading.Lock | None = None) -> None:
+    """Hand each delta of a ``DeltaBatch`` to its request's stream in ``streams`` (request id
+    -> stream with ``_take``); a request that ended leaves ``streams``. ``lock`` guards
+    ``streams`` where other threads submit."""
+    guard = lock if lock is not None else contextlib.nullcontext()
+    for delta in decode(payload, DeltaBatch).deltas:
+        with guard:
+            stream = streams.get(delta.request_id)
+            if delta.finished is not None or delta.error is not None:
+                streams.pop(delta.request_id, None)
+        if stream is not None:
+            stream._take(delta)
 
 
 def frontend_bytes(batch: FrontendBatch) -> bytes:
@@ -162,13 +177,7 @@ class EngineCoreClient:
         try:
             for message in responses:
                 self.batches_received += 1
-                for delta in decode(message.payload, DeltaBatch).deltas:
-                    with self._lock:
-                        stream = self._streams.get(delta.request_id)
-                        if delta.finished is not None or delta.error is not None:
-                            self._streams.pop(delta.request_id, None)
-                    if stream is not None:
-                        stream._take(delta)
+                deliver(message.payload, self._streams, self._lock)
         except grpc.RpcError as failure:
             error = UnavailableError(f"the engine core session failed: {failure.code().name}")
         with self._lock:

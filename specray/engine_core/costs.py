@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from specray.engine_core.policy import DraftCost, VerifyCost, fit_draft_cost, fit_verify_cost
+from specray.engine_core.cost_fit import fit_draft_cost, fit_verify_cost
+from specray.engine_core.policy import DraftCost, VerifyCost
 
 COST_SAMPLES = 256  # recent timing samples kept for the fits
 REFIT_EVERY = 8  # refit every this many samples (a fit costs ~0.3 ms of CPU)

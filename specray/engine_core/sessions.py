@@ -72,8 +72,8 @@ class Session:
         self._tokens: dict[str, list[int]] = {}  # this turn's new tokens, per request
         self._ends: dict[str, Delta] = {}
         self._flush_scheduled = False
-        self._unstreamed: set[str] = set()  # submitted with stream=False
-        self._quiet: set[str] = set()  # of them, those whose first tokens went out
+        # requests submitted with stream=False -> whether their first tokens went out
+        self._unstreamed: dict[str, bool] = {}
         self._progress: asyncio.TimerHandle | None = None
         self.batches_sent = 0
 
@@ -100,24 +100,24 @@ class Session:
             return
         self.requests.add(submit.request_id)
         if not submit.stream:
-            self._unstreamed.add(submit.request_id)
+            self._unstreamed[submit.request_id] = False
         stream.attach(self)
 
     # ---- StreamSink ----------------------------------------------------------------------
     def on_tokens(self, request_id: str, token_ids: list[int]) -> None:
         self._tokens.setdefault(request_id, []).extend(token_ids)
-        if request_id in self._quiet:  # travels with the next message, or its progress
+        started = self._unstreamed.get(request_id)
+        if started:  # travels with the next message, or its progress report
             if self._progress is None:
                 self._progress = self.loop.call_later(PROGRESS_INTERVAL_S, self._report)
             return
-        if request_id in self._unstreamed:  # its first tokens go now (its admission)
-            self._quiet.add(request_id)
+        if started is not None:  # its first tokens go now (its admission)
+            self._unstreamed[request_id] = True
         self._schedule()
 
     def on_end(self, request_id: str, output: RequestOutput | None, error) -> None:
         self.requests.discard(request_id)
-        self._unstreamed.discard(request_id)
-        self._quiet.discard(request_id)
+        self._unstreamed.pop(request_id, None)
         finished = finished_of(output) if output is not None else None
         info = error_info(error) if error is not None else None
         self._ends[request_id] = Delta(request_id, (), finished, info)

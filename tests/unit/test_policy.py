@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from specray.engine_core.cost_fit import fit_draft_cost, fit_verify_cost
 from specray.engine_core.policy import (
     AcceptanceEstimator,
     DraftCost,
@@ -15,8 +16,6 @@ from specray.engine_core.policy import (
     choose_k,
     draft_ahead_hit,
     expected_committed,
-    fit_draft_cost,
-    fit_verify_cost,
     predicted_tokens_per_s,
     should_draft_ahead,
     should_probe,
