@@ -83,6 +83,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft", default="default", help="drafter for --concurrency")
     bench.add_argument("--requests-per-client", type=int, default=2, help="for --concurrency")
     bench.add_argument(
+        "--repeats", type=int, default=2, help="for --overhead: turns of every path (summed)"
+    )
+    bench.add_argument(
         "--draft-deadline",
         type=float,
         default=5.0,
@@ -281,6 +284,7 @@ def _overhead_bench(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         concurrency=parse_concurrency(args.overhead),
         requests_per_client=args.requests_per_client,
+        repeats=args.repeats,
     )
     report = run_overhead_bench(config)
     _print_json(json.dumps(report, indent=2) if args.json else format_overhead(report))

@@ -16,6 +16,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from specray.cluster.serve_env import apply_serve_env, serve_env
+
 TESTS = Path(__file__).parent
 TIERS = ("unit", "statistical", "integration", "e2e", "chaos", "fuzz", "security")
 
@@ -33,6 +35,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def cluster():
+    # Serve as `specray serve` runs it (HAProxy ingress, throughput profile): the nodes'
+    # processes inherit this environment.
+    apply_serve_env(serve_env(local=True))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     draft_node = cluster.add_node(num_cpus=2, resources={"draft": 4})
     target_node = cluster.add_node(num_cpus=2, resources={"target": 4})

@@ -1,11 +1,13 @@
 """What the serving layers cost: the same greedy requests through ``Engine.generate`` in this
 process (``engine``), through the engine's distributed path (``ray``: the engine core beside the
-target, no Serve), through a driver's session on the served application's own engine core
-(``session``: that engine core without Serve in front), and through the served application
-(Ray Serve, the engine core) by the gRPC client library (``grpc``: ``generate``, the whole
-output; ``grpc-stream``: ``stream``, every round's tokens) and the OpenAI-compatible HTTP API
-(``http``, not streamed), at each concurrency, in one run: every path is alive throughout and
-they take turns, ``repeats`` times, so that the machine's slow spells fall on all of them.
+target, no Serve; one batch per wave of requests, and ``ray-clients``: one call per request
+from each client, the served paths' load), through a driver's session on the served
+application's own engine core (``session``: that engine core without Serve in front), and
+through the served application (Ray Serve, the engine core) by the gRPC client library
+(``grpc``: ``generate``, the whole output; ``grpc-stream``: ``stream``, every round's tokens)
+and the OpenAI-compatible HTTP API (``http``, not streamed; one kept-alive connection per
+client, as SDKs keep theirs), at each concurrency, in one run: every path is alive throughout
+and they take turns, ``repeats`` times, so that the machine's slow spells fall on all of them.
 
 With the default tiny random model the model's own time is negligible, so the differences are
 the machinery: per request (admission, front end, Serve handle) and per token (the engine
@@ -14,12 +16,14 @@ core's round and its messages). Every request generates exactly ``max_tokens`` t
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import statistics
 import tempfile
+import threading
 import time
-import urllib.request
+import urllib.parse
 from dataclasses import asdict, dataclass
 
 from specray.bench.clients import run_clients
@@ -49,7 +53,7 @@ class OverheadConfig:
 
 @dataclass
 class OverheadRow:
-    path: str  # engine | ray | session | grpc | grpc-stream | http
+    path: str  # engine | ray | ray-clients | session | grpc | grpc-stream | http
     concurrency: int
     requests: int
     ms_per_request: float  # mean latency of one request
@@ -95,6 +99,30 @@ def _row(path: str, concurrency: int, latencies: list[float], wall_s: float, tok
         ms_per_token=1000 * mean / tokens,
         tokens_per_s=len(latencies) * tokens / wall_s,
     )
+
+
+class _KeepAlive:
+    """An HTTP/1.1 client with one persistent connection per thread, as the OpenAI SDKs keep
+    theirs alive: a new TCP connection per request would measure connection set-up, not the
+    serving path."""
+
+    def __init__(self, base_url: str, timeout_s: float = 300.0):
+        parts = urllib.parse.urlsplit(base_url)
+        self.host, self.port, self.timeout_s = parts.hostname, parts.port, timeout_s
+        self.local = threading.local()
+
+    def post_json(self, path: str, body: dict) -> dict:
+        connection = getattr(self.local, "connection", None)
+        if connection is None:
+            connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            self.local.connection = connection
+        payload = json.dumps(body).encode()
+        connection.request("POST", path, payload, {"content-type": "application/json"})
+        response = connection.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"POST {path}: HTTP {response.status}: {data[:200]!r}")
+        return json.loads(data)
 
 
 def _free_port() -> int:
@@ -155,6 +183,7 @@ def _rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
     from specray.client import Client
     from specray.cluster.distributed import connect
     from specray.cluster.placement import PlacementConfig
+    from specray.cluster.serve_env import serve_env
     from specray.serve import launch
     from specray.serve.config import AppArgs
 
@@ -166,7 +195,7 @@ def _rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
         max_running=max(config.concurrency),
         max_queue=max(config.concurrency),
     )
-    connect("auto", PlacementConfig())
+    connect("auto", PlacementConfig(), env=serve_env(local=True))  # as `specray serve`
     tokens = config.max_tokens
     fields = {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}
     params = SamplingParams(**fields)
@@ -191,16 +220,19 @@ def _rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
                 chunks = list(client.stream(prompt, **fields))
                 assert chunks[-1].completion.completion_tokens == tokens
 
+            api = _KeepAlive(endpoints.http)
+
             def http_send(prompt: str) -> None:
-                body = json.dumps({"model": "bench", "prompt": prompt, **fields}).encode()
-                request = urllib.request.Request(
-                    f"{endpoints.http}/v1/completions", body, {"content-type": "application/json"}
-                )
-                with urllib.request.urlopen(request, timeout=300) as response:
-                    reply = json.loads(response.read())
+                body = {"model": "bench", "prompt": prompt, **fields}
+                reply = api.post_json("/v1/completions", body)
                 assert reply["usage"]["completion_tokens"] == tokens
 
+            def ray_clients_send(prompt: str) -> None:
+                (output,) = engine.generate([prompt], params, use_chat_template=False)
+                assert len(output.token_ids) == tokens
+
             paths = (
+                ("ray-clients", ray_clients_send),
                 ("session", session_send),
                 ("grpc", grpc_send),
                 ("grpc-stream", grpc_stream_send),
@@ -270,18 +302,28 @@ def run_overhead_bench(config: OverheadConfig = OverheadConfig()) -> dict:
 
 def format_overhead(report: dict) -> str:
     lines = [
-        "path         conc  requests  ms/request  ms/token  tokens/s  +ms/request  +ms/token",
+        "path         conc  requests  ms/request  ms/token  tokens/s  +ms/request  +ms/token"
+        "  x ray  x ray-clients",
     ]
+    rows = {(row["path"], row["concurrency"]): row for row in report["rows"]}
     for row in report["rows"]:
+        ratios = [
+            row["tokens_per_s"] / base["tokens_per_s"]
+            for base in (rows.get((path, row["concurrency"])) for path in ("ray", "ray-clients"))
+            if base is not None
+        ]
         lines.append(
             f"{row['path']:<12} {row['concurrency']:>4}  {row['requests']:>8}  "
             f"{row['ms_per_request']:>10.1f}  {row['ms_per_token']:>8.2f}  "
             f"{row['tokens_per_s']:>8.1f}  {row['overhead_ms_per_request']:>11.1f}  "
             f"{row['overhead_ms_per_token']:>9.2f}"
+            + "".join(f"  {ratio:>5.2f}x" for ratio in ratios)
         )
     config = report["config"]
     lines.append(
         f"(target {config['target']}, draft {config['draft']}, {config['max_tokens']} tokens per "
-        "request; + = over Engine.generate in process at the same concurrency)"
+        "request; + = over Engine.generate in process at the same concurrency; x ray = tokens/s "
+        "over the distributed engine's batched waves, x ray-clients = over the same engine "
+        "under the served paths' load: one generate call per request from each client)"
     )
     return "\n".join(lines)

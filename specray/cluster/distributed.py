@@ -12,22 +12,29 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Mapping
 
 from specray.cluster.placement import PlacementConfig
+from specray.cluster.serve_env import apply_serve_env
 
 log = logging.getLogger(__name__)
 LOCAL_NODE_RESOURCES = 8.0  # draft / target units an embedded one-node cluster advertises
 DRAFT_WORKER_CONCURRENCY = 4  # a waiting call must be able to arrive to stop a draft-ahead
 
 
-def connect(cluster: str, placement: PlacementConfig) -> None:
-    """``"auto"``: an embedded local Ray (both node types on this machine); else an address."""
+def connect(
+    cluster: str, placement: PlacementConfig, *, env: Mapping[str, str] | None = None
+) -> None:
+    """``"auto"``: an embedded local Ray (both node types on this machine); else an address.
+    ``env``: variables for the embedded Ray's processes (:mod:`specray.cluster.serve_env`);
+    a cluster at an address was started with its own."""
     import ray
 
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if cluster == "auto":
+        apply_serve_env(env or {})
         ray.init(
             include_dashboard=False,
             resources={

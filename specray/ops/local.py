@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specray.cluster.serve_env import apply_serve_env, serve_env
 from specray.ops.node_types import NodeType, PlacementAsk, placement_problems
 from specray.ops.processes import pid_alive, session_members, stop_session
 
@@ -243,6 +244,8 @@ def up(
 
     application = config["applications"][0]
     args = AppArgs(**application.get("args", {}))
+    https = bool(config.get("http_options", {}).get("ssl_certfile"))
+    serve = serve_env(local=True, https=https)
     total = 5
     say(f"[1/{total}] checking the plan: {_describe(spec)}")
     problems = placement_problems(
@@ -267,7 +270,9 @@ def up(
     temp_dir = _flag(launches[0].argv, "--temp-dir")
     if dry_run:
         say("dry run: these commands would run, each in its own session, in this order")
-        env = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={state_dir / 'auth_token'}"
+        settings = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": state_dir / "auth_token"}
+        shown = settings | {k: v for k, v in serve.items() if k not in os.environ}
+        env = " ".join(f"{key}={value}" for key, value in shown.items())
         for launch in launches:
             print(f"  [{launch.name}] {env} {shlex.join(launch.argv)}", flush=True)
         print("  then deploy this Serve config:", flush=True)
@@ -287,7 +292,7 @@ def up(
         temp_dir=temp_dir,
         auth_token_path=str(token_path),
     )
-    env = _ray_env(token_path)
+    env = _ray_env(token_path, serve)
     try:
         for number, launch in enumerate(launches):
             step = "[2/5] starting the head" if number == 0 else f"[3/5] starting {launch.name}"
@@ -428,13 +433,16 @@ def _stop_nodes(state: ClusterState, say: Say) -> None:
             )
 
 
-def _ray_env(token_path: Path) -> dict:
+def _ray_env(token_path: Path, serve: dict[str, str]) -> dict:
+    """The nodes' environment: this one's, token auth, and ``serve``
+    (:func:`specray.cluster.serve_env.serve_env`) where this one does not set them."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
     env.update(
         RAY_AUTH_MODE="token",
         RAY_AUTH_TOKEN_PATH=str(token_path),
         RAY_USAGE_STATS_ENABLED="0",
     )
+    apply_serve_env(serve, env)
     return env
 
 

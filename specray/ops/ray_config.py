@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from specray.cluster.placement import PlacementConfig
+from specray.cluster.serve_env import SERVE_ENV
 
 if TYPE_CHECKING:
     from specray.serve.config import AppArgs
@@ -269,7 +270,26 @@ def _start_command_problems(config: Mapping, resource_names: tuple[str, ...]) ->
     ]
     if not any("--address" in f and "--head" not in f for f in worker_starts):
         problems.append("worker_start_ray_commands: no `ray start --address=...` joining the head")
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        problems += _serve_env_problems(key, config.get(key) or [])
     return problems
+
+
+def _serve_env_problems(key: str, commands) -> list[str]:
+    """Serve reads its settings from the environment of every Ray process: each node's
+    ``ray start`` must run with :data:`specray.cluster.serve_env.SERVE_ENV` exported."""
+    starts = [c for c in commands if _ray_start_flags(c)]
+    missing = [
+        f"{name}={value}"
+        for name, value in SERVE_ENV.items()
+        if starts and not all(re.search(rf"\b{name}={value}\b", c) for c in starts)
+    ]
+    if not missing:
+        return []
+    return [
+        f"{key}: export {' '.join(missing)} before `ray start` (Serve's HAProxy ingress, "
+        "specray.cluster.serve_env)"
+    ]
 
 
 def _number(text: str | None) -> float | None:

@@ -343,6 +343,34 @@ def test_http_client_disconnect_frees_the_workers(served):
     wait_until_freed()
 
 
+def test_http_reaches_the_ingress_replica_through_haproxy(served):
+    """As `specray serve` runs it (specray.cluster.serve_env): HAProxy owns the HTTP port and
+    the ingress replica answers the API on a port of its own, so no request is relayed
+    through Serve's Python proxy."""
+    import psutil
+    from ray.serve._private.constants import (
+        RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT,
+        RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT,
+    )
+
+    http_port = int(served.http.rsplit(":", 1)[1])
+    listeners = {
+        c.laddr.port: c.pid
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.pid is not None
+    }
+    assert psutil.Process(listeners[http_port]).name() == "haproxy"
+    replica_ports = [
+        port
+        for port in listeners
+        if RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT <= port < RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT
+    ]
+    models = [
+        httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json() for port in replica_ports
+    ]
+    assert [m["data"][0]["id"] for m in models] == ["tiny"], (replica_ports, models)
+
+
 # ---- autoscaling ----------------------------------------------------------------------
 def draft_replicas(state: str | None = "RUNNING") -> int:
     """DraftWorker replicas in a state (None: in any state, i.e. what the policy decided)."""

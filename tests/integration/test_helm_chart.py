@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from specray.cluster.serve_env import SERVE_ENV
 from specray.ops import chart as chart_ops
 from specray.serve.config import AppArgs
 
@@ -35,6 +36,7 @@ VARIANTS = {
     "tp 4 on 4 GPUs": {"app": {"tp_size": 4}, "targetGroup": {"gpus": 4}},
     "target only": {"app": {"draft": "none"}},
     "no gRPC API": {"app": {"grpc_port": None}},
+    "Serve's Python proxy": {"rayServe": {"haproxy": False}},
     "CPU only, bundled model": {  # null deletes a default, as `--set key=null` does
         "app": {
             "target": "default",
@@ -185,6 +187,23 @@ def test_variant_renders():
     assert app_of(docs)["args"]["grpc_port"] is None
     assert "grpc" not in {p["name"] for p in ray_container(docs, "head")["ports"]}
     assert [p["name"] for p in only(docs, "Service")["spec"]["ports"]] == ["http"]
+
+
+def serve_env_of(container: dict) -> dict[str, str]:
+    env = container.get("env", [])
+    return {e["name"]: e["value"] for e in env if e["name"].startswith("RAY_SERVE_")}
+
+
+def test_every_ray_container_runs_serve_as_specray_serve_does(default_docs):
+    """The chart's Ray pods get the Serve settings the embedded local Ray gets (HAProxy
+    ingress, throughput profile), and none of them with ``rayServe.haproxy: false``."""
+    containers = chart_ops.ray_containers(only(default_docs, "RayService"))
+    assert set(containers) == {"head", "draft", "target"}
+    for container in containers.values():
+        assert serve_env_of(container) == dict(SERVE_ENV)
+    docs = chart_ops.render(CHART, VARIANTS["Serve's Python proxy"])
+    for container in chart_ops.ray_containers(only(docs, "RayService")).values():
+        assert serve_env_of(container) == {}
 
 
 def test_helm_test_hook_pod(default_docs):

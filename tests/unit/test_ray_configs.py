@@ -225,3 +225,15 @@ def test_tp_size_beyond_the_target_node(tmp_path):
         data["applications"][0]["args"]["tp_size"] = 16
 
     caught(with_serve_config(tmp_path, sixteen), r"cannot hold one target group \(tp_size=16\)")
+
+
+@pytest.mark.parametrize("name", CLUSTERS)
+def test_a_node_started_without_serves_settings(name):
+    config = shipped(name)
+    commands = config["worker_start_ray_commands"]
+    index = next(i for i, c in enumerate(commands) if "ray start" in c)
+    commands[index] = commands[index].replace("RAY_SERVE_ENABLE_HA_PROXY=1", "")
+    caught(
+        ray_config.validate(config, base_dir=ROOT),
+        r"worker_start_ray_commands: export RAY_SERVE_ENABLE_HA_PROXY=1 before `ray start`",
+    )

@@ -97,6 +97,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
       name: {{ .Values.auth.existingSecret }}
       key: {{ .Values.auth.secretKey }}
 {{- end }}
+{{- if .Values.rayServe.haproxy }}
+{{- /* specray.cluster.serve_env.SERVE_ENV; a test keeps the two the same */}}
+- {name: RAY_SERVE_ENABLE_HA_PROXY, value: "1"}
+- {name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, value: "0"}
+- {name: RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE, value: "1000"}
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
