@@ -1,0 +1,43 @@
+"""The performance model's bounds at concurrency 1 (docs/design.md section 5), as the serving
+benchmark computes them from a row's acceptance and the calibrated costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from specray.bench.serving import one_request_bound, pipelined_bound
+from specray.engine_core.policy import DraftCost, VerifyCost
+
+# A 40 ms target step, verifying 3 tokens 1.2x a step, a 6 ms draft step (c = 0.15).
+VERIFY = VerifyCost(0.0, 0.0, 0.0, table=((1, 0.040), (3, 0.048)))
+DRAFT = DraftCost(0.006, 0.0)
+CALIBRATION = (VERIFY, DRAFT)
+
+
+def row(mean_acceptance_length: float, rtt_s: float = 0.0) -> dict:
+    return {"mean_k": 2.0, "mean_acceptance_length": mean_acceptance_length, "rtt_s": rtt_s}
+
+
+def test_no_draft_ahead_survives_at_zero_acceptance():
+    """α = 0: every block is rejected, so the next is always drafted after the verdict."""
+    v, d = 0.048 / 0.040, 2 * 0.006 / 0.040
+    assert one_request_bound(row(1.0), CALIBRATION) == pytest.approx(1 / (v + d), rel=1e-6)
+    assert pipelined_bound(row(1.0), CALIBRATION) == pytest.approx(1 / v, rel=1e-6)
+
+
+def test_full_acceptance_reaches_the_pipelined_bound():
+    one, pipelined = (
+        one_request_bound(row(3.0), CALIBRATION),
+        pipelined_bound(row(3.0), CALIBRATION),
+    )
+    assert one == pytest.approx(pipelined, rel=1e-6)
+    assert pipelined == pytest.approx(3.0 / (0.048 / 0.040), rel=1e-6)
+
+
+@pytest.mark.parametrize("mean_length", [1.2, 1.5, 1.75, 2.2, 2.8])
+def test_one_request_bound_sits_between_the_synchronous_and_pipelined_bounds(mean_length):
+    r = row(mean_length, rtt_s=0.001)
+    one, pipelined = one_request_bound(r, CALIBRATION), pipelined_bound(r, CALIBRATION)
+    v, d = (0.048 + 0.001) / 0.040, 2 * 0.006 / 0.040
+    synchronous = mean_length / (v + d)
+    assert synchronous < one < pipelined
