@@ -181,6 +181,37 @@ def _run_mode(backend, info, mode, config, concurrency, prompts, params, calibra
     }
 
 
+@dataclass(frozen=True)
+class _BoundTerms:
+    """A concurrency-1 row in the performance model's terms (docs/design.md section 5)."""
+
+    k: int  # the row's mean K, rounded
+    alpha: float  # per-position acceptance giving the row's mean acceptance length at k
+    expected: float  # E: tokens committed per target call
+    verify: float  # V = verify(K+1)/T + r/T, in target steps
+    draft: float  # D = K·c, in target steps
+
+
+def _bound_terms(row: dict, calibration, target_only: dict | None) -> _BoundTerms:
+    verify, draft = calibration
+    draft = draft or DEFAULT_DRAFT_PRIOR
+    k = max(round(row["mean_k"]), 1)
+    alpha = acceptance_from_mean_length(row["mean_acceptance_length"], k)
+    target_step_s = verify.seconds(1, 1)
+    verify_s, draft_s = verify.seconds(1, k + 1), draft.seconds(1)
+    if target_only is not None:
+        target_step_s *= target_only["verify_level"]
+        verify_s *= row["verify_level"] * row.get("draft_round_scale", 1.0)
+        draft_s *= row["draft_level"]
+    return _BoundTerms(
+        k=k,
+        alpha=alpha,
+        expected=sum(alpha**i for i in range(k + 1)),
+        verify=(verify_s + row["rtt_s"]) / target_step_s,
+        draft=k * draft_s / target_step_s,
+    )
+
+
 def pipelined_bound(row: dict, calibration, target_only: dict | None = None) -> float:
     """docs/design.md section 5 at batch 1: E / max(verify(K+1)/verify(1) + r/T, K·c), with the
     measured acceptance and mean K of the row and the costs calibrated on the workers.
@@ -190,18 +221,8 @@ def pipelined_bound(row: dict, calibration, target_only: dict | None = None) -> 
     extra slowness of rounds that verify drafts, ``draft_round_scale``): on a machine where the
     draft, the target and everything else share the cores, the draft's work slows the target's
     forwards, which the calibrated bound does not know."""
-    verify, draft = calibration
-    draft = draft or DEFAULT_DRAFT_PRIOR
-    k = max(round(row["mean_k"]), 1)
-    alpha = acceptance_from_mean_length(row["mean_acceptance_length"], k)
-    expected = sum(alpha**i for i in range(k + 1))
-    target_step_s = verify.seconds(1, 1)
-    verify_s, draft_s = verify.seconds(1, k + 1), draft.seconds(1)
-    if target_only is not None:
-        target_step_s *= target_only["verify_level"]
-        verify_s *= row["verify_level"] * row.get("draft_round_scale", 1.0)
-        draft_s *= row["draft_level"]
-    return expected / max((verify_s + row["rtt_s"]) / target_step_s, k * draft_s / target_step_s)
+    terms = _bound_terms(row, calibration, target_only)
+    return terms.expected / max(terms.verify, terms.draft)
 
 
 def one_request_bound(row: dict, calibration, target_only: dict | None = None) -> float:
@@ -212,21 +233,9 @@ def one_request_bound(row: dict, calibration, target_only: dict | None = None) -
     after the verdict. Expected cost of a round, in target steps, with V = verify(K+1)/T +
     r/T and D = K·c: α^(K+1)·max(V, D) + (1 − α^(K+1))·(V + D). Costs as in
     :func:`pipelined_bound` (``target_only``: the ones measured in the run)."""
-    verify, draft = calibration
-    draft = draft or DEFAULT_DRAFT_PRIOR
-    k = max(round(row["mean_k"]), 1)
-    alpha = acceptance_from_mean_length(row["mean_acceptance_length"], k)
-    expected = sum(alpha**i for i in range(k + 1))
-    target_step_s = verify.seconds(1, 1)
-    verify_s, draft_s = verify.seconds(1, k + 1), draft.seconds(1)
-    if target_only is not None:
-        target_step_s *= target_only["verify_level"]
-        verify_s *= row["verify_level"] * row.get("draft_round_scale", 1.0)
-        draft_s *= row["draft_level"]
-    v = (verify_s + row["rtt_s"]) / target_step_s
-    d = k * draft_s / target_step_s
-    ahead = alpha ** (k + 1)
-    return expected / (ahead * max(v, d) + (1 - ahead) * (v + d))
+    terms = _bound_terms(row, calibration, target_only)
+    v, d, ahead = terms.verify, terms.draft, terms.alpha ** (terms.k + 1)
+    return terms.expected / (ahead * max(v, d) + (1 - ahead) * (v + d))
 
 
 def simulated_tokens_per_s(
