@@ -10,6 +10,7 @@ variable already in the environment wins, so an operator can turn any of them of
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 
 # HTTP straight to the ingress replicas: HAProxy (bundled with ray[serve]) listens on the HTTP
@@ -35,13 +36,27 @@ LOCAL_SERVE_ENV: Mapping[str, str] = {
 }
 
 
+# HAProxy's own listeners (Prometheus exporter, stats page) default to fixed ports (9101,
+# 8404): a second cluster on the same machine could not start its HAProxy. A local cluster
+# takes free ones.
+HAPROXY_PORT_VARIABLES = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")
+
+
 def serve_env(*, local: bool, https: bool = False) -> dict[str, str]:
     """The variables for Ray processes about to start. ``local``: every node on this machine.
     ``https``: Serve's HTTP options carry a certificate; Ray's HAProxy ingress does not
     terminate TLS (Ray 2.60), so Serve's own proxy, which does, stays in front."""
     if https:
         return {}
-    return dict(LOCAL_SERVE_ENV if local else SERVE_ENV)
+    if not local:
+        return dict(SERVE_ENV)
+    return {**LOCAL_SERVE_ENV, **{name: str(_free_port()) for name in HAPROXY_PORT_VARIABLES}}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def apply_serve_env(env: Mapping[str, str], target: dict | None = None) -> dict:
