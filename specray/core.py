@@ -31,7 +31,7 @@ from specray.sampling import (
     SamplingParams,
     VerifyUniforms,
     verify_batch,
-    verify_batch_greedy,
+    verify_batch_greedy_ids,
 )
 from specray.target_rounds import prefill_span
 
@@ -221,11 +221,14 @@ class TargetCore:
         else:
             logits = self.runner.forward(feeds, sizes)
         self.forward_s += time.perf_counter() - started
-        target_probs = [
-            r.pipeline.probs(logits[r.request_id], r.output_token_ids, blocks[r.request_id][0])
+        # Greedy: the argmax ids [n + 1]; sampled: the distributions [n + 1, vocab].
+        target_rows = [
+            (r.pipeline.greedy_token_ids if r.params.greedy else r.pipeline.probs)(
+                logits[r.request_id], r.output_token_ids, blocks[r.request_id][0]
+            )
             for r in requests
-        ]  # each [n + 1, vocab]
-        results = self._verify(requests, blocks, target_probs)
+        ]
+        results = self._verify(requests, blocks, target_rows)
         for request, committed in zip(requests, results, strict=True):
             num_draft = len(blocks[request.request_id][0])
             num_accepted = len(committed) - 1
@@ -238,8 +241,10 @@ class TargetCore:
                 store.write(len(store), hidden[request.request_id][: num_accepted + 1])
         return results
 
-    def _verify(self, requests, blocks, target_probs) -> list[list[int]]:
-        """Apply each request's rule; greedy and sampled requests are batched separately."""
+    def _verify(self, requests, blocks, target_rows) -> list[list[int]]:
+        """Apply each request's rule; greedy and sampled requests are batched separately.
+        ``target_rows``: per request, its argmax ids ``[n + 1]`` when greedy, else its
+        distributions ``[n + 1, vocab]``."""
         committed: list[list[int]] = [[] for _ in requests]
         for greedy in (True, False):
             rows = [i for i, r in enumerate(requests) if r.params.greedy == greedy]
@@ -248,34 +253,41 @@ class TargetCore:
             k = max(len(blocks[requests[i].request_id][0]) for i in rows)
             num_draft = torch.tensor([len(blocks[requests[i].request_id][0]) for i in rows])
             draft_ids = torch.zeros(len(rows), k, dtype=torch.int64)  # [batch, k]
-            padded_target = torch.zeros(len(rows), k + 1, self.vocab_size)  # [batch, k+1, vocab]
-            padded_draft = torch.zeros(len(rows), k, self.vocab_size)  # [batch, k, vocab]
-            accept = torch.zeros(len(rows), k, dtype=torch.float64)  # [batch, k]
-            residual = torch.zeros(len(rows), k, dtype=torch.float64)  # [batch, k]
-            bonus = torch.zeros(len(rows), dtype=torch.float64)  # [batch]
             for slot, i in enumerate(rows):
-                tokens, draft_probs = blocks[requests[i].request_id]
-                n = len(tokens)
-                draft_ids[slot, :n] = torch.tensor(tokens, dtype=torch.int64)
-                padded_target[slot, : n + 1] = target_probs[i]
-                if greedy:
-                    continue
-                padded_draft[slot, :n] = draft_probs
-                uniforms = VerifyUniforms.draw(
-                    requests[i].random, n, len(requests[i].output_token_ids)
-                )
-                accept[slot, :n], residual[slot, :n] = uniforms.accept[0], uniforms.residual[0]
-                bonus[slot] = uniforms.bonus[0]
+                tokens = blocks[requests[i].request_id][0]
+                draft_ids[slot, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            targets = [target_rows[i] for i in rows]
             if greedy:
-                result = verify_batch_greedy(draft_ids, num_draft, padded_target)
+                result = self._verify_greedy(targets, draft_ids, num_draft)
             else:
-                result = verify_batch(
-                    draft_ids,
-                    num_draft,
-                    padded_draft,
-                    padded_target,
-                    VerifyUniforms(accept, residual, bonus),
-                )
+                picked = [requests[i] for i in rows]
+                result = self._verify_sampled(picked, blocks, targets, draft_ids, num_draft)
             for slot, i in enumerate(rows):
                 committed[i] = result.row(slot).token_ids.tolist()
         return committed
+
+    @staticmethod
+    def _verify_greedy(target_ids, draft_ids, num_draft):
+        batch, k = draft_ids.shape
+        padded = torch.zeros(batch, k + 1, dtype=torch.int64)  # [batch, k+1]
+        for slot, ids in enumerate(target_ids):
+            padded[slot, : len(ids)] = ids
+        return verify_batch_greedy_ids(draft_ids, num_draft, padded)
+
+    def _verify_sampled(self, requests, blocks, target_probs, draft_ids, num_draft):
+        batch, k = draft_ids.shape
+        padded_target = torch.zeros(batch, k + 1, self.vocab_size)  # [batch, k+1, vocab]
+        padded_draft = torch.zeros(batch, k, self.vocab_size)  # [batch, k, vocab]
+        accept = torch.zeros(batch, k, dtype=torch.float64)  # [batch, k]
+        residual = torch.zeros(batch, k, dtype=torch.float64)  # [batch, k]
+        bonus = torch.zeros(batch, dtype=torch.float64)  # [batch]
+        for slot, request in enumerate(requests):
+            tokens, draft_probs = blocks[request.request_id]
+            n = len(tokens)
+            padded_target[slot, : n + 1] = target_probs[slot]
+            padded_draft[slot, :n] = draft_probs
+            uniforms = VerifyUniforms.draw(request.random, n, len(request.output_token_ids))
+            accept[slot, :n], residual[slot, :n] = uniforms.accept[0], uniforms.residual[0]
+            bonus[slot] = uniforms.bonus[0]
+        uniforms = VerifyUniforms(accept, residual, bonus)
+        return verify_batch(draft_ids, num_draft, padded_draft, padded_target, uniforms)

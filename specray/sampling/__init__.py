@@ -20,6 +20,7 @@ from specray.sampling.verify import (
     VerifyUniforms,
     verify_batch,
     verify_batch_greedy,
+    verify_batch_greedy_ids,
     verify_block,
 )
 
@@ -45,5 +46,6 @@ __all__ = [
     "stack_rows",
     "verify_batch",
     "verify_batch_greedy",
+    "verify_batch_greedy_ids",
     "verify_block",
 ]

@@ -110,6 +110,16 @@ class LogitsPipeline:
             out = out - params.presence_penalty * (counts > 0).to(torch.float32)
         return out
 
+    def greedy_token_ids(
+        self,
+        logits: torch.Tensor,
+        output_token_ids: Sequence[int] = (),
+        candidate_token_ids: Sequence[int] = (),
+    ) -> torch.Tensor:
+        """A greedy request's token for each row, int64 ``[rows]``: the argmax of the processed
+        logits (the one-hot :meth:`probs` gives, without its ``[rows, vocab]`` tensor)."""
+        return self.processed_logits(logits, output_token_ids, candidate_token_ids).argmax(dim=-1)
+
     def probs(
         self,
         logits: torch.Tensor,

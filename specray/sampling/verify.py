@@ -99,13 +99,17 @@ def _check_inputs(draft_token_ids, num_draft_tokens, draft_probs, target_probs) 
         raise ValueError(
             f"draft_probs must have shape {(batch, k, vocab)}, got {tuple(draft_probs.shape)}"
         )
+    _check_num_draft(num_draft_tokens, batch, k)
+    valid = torch.arange(k)[None, :] < num_draft_tokens[:, None]  # [batch, k]
+    if bool(((draft_token_ids < 0) | (draft_token_ids >= vocab))[valid].any()):
+        raise ValueError(f"draft_token_ids must be in [0, {vocab}), got {draft_token_ids.tolist()}")
+
+
+def _check_num_draft(num_draft_tokens: torch.Tensor, batch: int, k: int) -> None:
     if num_draft_tokens.shape != (batch,) or bool(
         ((num_draft_tokens < 0) | (num_draft_tokens > k)).any()
     ):
         raise ValueError(f"num_draft_tokens must be in [0, {k}], got {num_draft_tokens.tolist()}")
-    valid = torch.arange(k)[None, :] < num_draft_tokens[:, None]  # [batch, k]
-    if bool(((draft_token_ids < 0) | (draft_token_ids >= vocab))[valid].any()):
-        raise ValueError(f"draft_token_ids must be in [0, {vocab}), got {draft_token_ids.tolist()}")
 
 
 def _normalise(probs: torch.Tensor) -> torch.Tensor:
@@ -141,7 +145,23 @@ def verify_batch_greedy(
 ) -> BatchVerifyResult:
     """Greedy rule for many requests at once (see module docstring)."""
     _check_inputs(draft_token_ids, num_draft_tokens, None, target_probs)
-    target_argmax = target_probs.argmax(dim=-1)  # [batch, k+1], first maximum = lowest id
+    # [batch, k+1], the first maximum (the lowest id) as argmax gives it
+    return verify_batch_greedy_ids(draft_token_ids, num_draft_tokens, target_probs.argmax(dim=-1))
+
+
+def verify_batch_greedy_ids(
+    draft_token_ids: torch.Tensor,  # [batch, k] int64
+    num_draft_tokens: torch.Tensor,  # [batch] int64, draft tokens valid per row (<= k)
+    target_argmax: torch.Tensor,  # [batch, k + 1] int64, the target's greedy token per position
+) -> BatchVerifyResult:
+    """The greedy rule from the target's argmax ids alone: the fast path, with no
+    vocabulary-sized tensor (only the argmax of each row decides a greedy round)."""
+    batch, k = draft_token_ids.shape
+    if tuple(target_argmax.shape) != (batch, k + 1):
+        raise ValueError(
+            f"target_argmax must have shape {(batch, k + 1)}, got {tuple(target_argmax.shape)}"
+        )
+    _check_num_draft(num_draft_tokens, batch, k)
     accepted = draft_token_ids == target_argmax[:, :-1]
     num_accepted = _first_rejection(accepted, num_draft_tokens)  # [batch]
     final_token = target_argmax[torch.arange(len(num_accepted)), num_accepted]

@@ -30,6 +30,8 @@ from specray.sampling import (
     quantize_draft_probs,
     sample_from_probs,
     verify_batch,
+    verify_batch_greedy,
+    verify_batch_greedy_ids,
     verify_block,
 )
 
@@ -176,6 +178,28 @@ def test_greedy_is_one_hot_at_argmax_ties_to_lowest_id() -> None:
     assert probs_of(banned, [1.0, 3.0, 3.0, 2.0]).tolist() == [0.0, 0.0, 1.0, 0.0]
     biased = SamplingParams(temperature=0, logit_bias={3: 1.0})
     assert probs_of(biased, [1.0, 3.0, 3.0, 2.0]).tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_greedy_token_ids_are_the_argmax_of_the_one_hot_rows() -> None:
+    """The greedy fast path (ids, no [rows, vocab] one-hot) picks what probs' one-hot picks,
+    ties to the lowest id, after bias, masks and penalties, row j seeing its candidates."""
+    generator = torch.Generator().manual_seed(7)
+    settings = [
+        {},
+        {"banned_token_ids": (1, 4)},
+        {"logit_bias": {3: 2.5}},
+        {"repetition_penalty": 1.7},
+        {"frequency_penalty": 0.8, "presence_penalty": 0.5},
+    ]
+    for extra in settings:
+        params = SamplingParams(temperature=0, **extra)
+        pipeline = LogitsPipeline(params, 8, prompt_token_ids=[2, 3])
+        for _ in range(20):
+            logits = torch.randint(-2, 3, (4, 8), generator=generator).float()  # many ties
+            history = {"output_token_ids": [5, 5, 1], "candidate_token_ids": [3, 5, 6]}
+            ids = pipeline.greedy_token_ids(logits, **history)
+            assert ids.dtype == torch.int64 and ids.shape == (4,)
+            assert ids.tolist() == pipeline.probs(logits, **history).argmax(dim=-1).tolist()
 
 
 def test_temperature_scales_logits() -> None:
@@ -695,3 +719,26 @@ def test_encoding_parse() -> None:
         with pytest.raises(ValueError, match="draft_probs_encoding") as error:
             DraftProbsEncoding.parse(bad)
         assert repr(bad) in str(error.value)
+
+
+def test_greedy_rule_from_ids_equals_the_rule_from_distributions() -> None:
+    """verify_batch_greedy_ids on the argmax ids commits exactly what verify_batch_greedy
+    commits on the [batch, k+1, vocab] rows, over random blocks with partial acceptance."""
+    generator = torch.Generator().manual_seed(11)
+    batch, k, vocab = 6, 4, 5  # a small vocabulary: drafts often match
+    for _ in range(200):
+        target = torch.randint(-2, 3, (batch, k + 1, vocab), generator=generator).float()
+        drafts = torch.randint(0, vocab, (batch, k), generator=generator)
+        num_draft = torch.randint(0, k + 1, (batch,), generator=generator)
+        dense = verify_batch_greedy(drafts, num_draft, target)
+        ids = verify_batch_greedy_ids(drafts, num_draft, target.argmax(dim=-1))
+        assert torch.equal(dense.token_ids, ids.token_ids)
+        assert torch.equal(dense.num_accepted, ids.num_accepted)
+
+
+def test_greedy_rule_from_ids_names_a_bad_shape() -> None:
+    drafts, num_draft = torch.zeros(2, 3, dtype=torch.int64), torch.tensor([3, 1])
+    with pytest.raises(ValueError, match=r"target_argmax must have shape \(2, 4\), got \(2, 3\)"):
+        verify_batch_greedy_ids(drafts, num_draft, torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"num_draft_tokens must be in \[0, 3\]"):
+        verify_batch_greedy_ids(drafts, torch.tensor([4, 0]), torch.zeros(2, 4, dtype=torch.int64))
