@@ -20,6 +20,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from specray.feature_rows import FeatureRows
 from specray.models.runner import ModelRunner
@@ -268,10 +269,8 @@ class TargetCore:
 
     @staticmethod
     def _verify_greedy(target_ids, draft_ids, num_draft):
-        batch, k = draft_ids.shape
-        padded = torch.zeros(batch, k + 1, dtype=torch.int64)  # [batch, k+1]
-        for slot, ids in enumerate(target_ids):
-            padded[slot, : len(ids)] = ids
+        # [batch, k+1]: the longest row has k + 1 ids; shorter rows padded with 0 (unread)
+        padded = pad_sequence(target_ids, batch_first=True).to(draft_ids.device)
         return verify_batch_greedy_ids(draft_ids, num_draft, padded)
 
     def _verify_sampled(self, requests, blocks, target_probs, draft_ids, num_draft):

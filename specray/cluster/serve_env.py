@@ -10,8 +10,9 @@ variable already in the environment wins, so an operator can turn any of them of
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
+
+from specray.cluster.ports import free_ports
 
 # HTTP straight to the ingress replicas: HAProxy (bundled with ray[serve]) listens on the HTTP
 # port and forwards each connection to a replica's own uvicorn server, where Serve's Python
@@ -50,13 +51,16 @@ def serve_env(*, local: bool, https: bool = False) -> dict[str, str]:
         return {}
     if not local:
         return dict(SERVE_ENV)
-    return {**LOCAL_SERVE_ENV, **{name: str(_free_port()) for name in HAPROXY_PORT_VARIABLES}}
+    # HAProxy binds these on every interface.
+    ports = free_ports(len(HAPROXY_PORT_VARIABLES), host="")
+    haproxy = dict(zip(HAPROXY_PORT_VARIABLES, map(str, ports), strict=True))
+    return {**LOCAL_SERVE_ENV, **haproxy}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+def terminates_https(deploy_config: Mapping) -> bool:
+    """Whether a Serve deploy config has Serve itself serve HTTPS (its HTTP options carry a
+    certificate): the ``https`` of :func:`serve_env`."""
+    return bool((deploy_config.get("http_options") or {}).get("ssl_certfile"))
 
 
 def apply_serve_env(env: Mapping[str, str], target: dict | None = None) -> dict:

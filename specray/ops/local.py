@@ -19,7 +19,6 @@ import os
 import secrets
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specray.cluster.serve_env import apply_serve_env, serve_env
+from specray.cluster.ports import free_ports
+from specray.cluster.serve_env import apply_serve_env, serve_env, terminates_https
 from specray.ops.node_types import NodeType, PlacementAsk, placement_problems
 from specray.ops.processes import pid_alive, session_members, stop_session
 
@@ -152,7 +152,7 @@ class Ports:
 
     @classmethod
     def pick(cls, num_nodes: int) -> Ports:
-        ports = _free_ports(3 + num_nodes)
+        ports = free_ports(3 + num_nodes)
         return cls(ports[0], ports[1], ports[2], tuple(ports[3:]))
 
 
@@ -244,8 +244,7 @@ def up(
 
     application = config["applications"][0]
     args = AppArgs(**application.get("args", {}))
-    https = bool(config.get("http_options", {}).get("ssl_certfile"))
-    serve = serve_env(local=True, https=https)
+    serve = serve_env(local=True, https=terminates_https(config))
     total = 5
     say(f"[1/{total}] checking the plan: {_describe(spec)}")
     problems = placement_problems(
@@ -271,7 +270,7 @@ def up(
     if dry_run:
         say("dry run: these commands would run, each in its own session, in this order")
         settings = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": state_dir / "auth_token"}
-        shown = settings | {k: v for k, v in serve.items() if k not in os.environ}
+        shown = settings | apply_serve_env(serve, dict(os.environ))  # what the nodes would get
         env = " ".join(f"{key}={value}" for key, value in shown.items())
         for launch in launches:
             print(f"  [{launch.name}] {env} {shlex.join(launch.argv)}", flush=True)
@@ -533,20 +532,6 @@ def _write_token(state_dir: Path) -> Path:
     with os.fdopen(fd, "w") as handle:
         handle.write(secrets.token_hex(32))
     return path
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets, ports = [], []
-    try:
-        for _ in range(count):  # all held open together, so they are distinct
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-            ports.append(sock.getsockname()[1])
-    finally:
-        for sock in sockets:
-            sock.close()
-    return ports
 
 
 def _flag(argv: list[str], name: str) -> str:

@@ -104,7 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from specray.cluster.distributed import connect
     from specray.cluster.placement import PlacementConfig
-    from specray.cluster.serve_env import serve_env
+    from specray.cluster.serve_env import serve_env, terminates_https
     from specray.serve import launch
 
     try:
@@ -121,8 +121,8 @@ def run_serve(args: argparse.Namespace) -> int:
         say("mTLS (tls_client_ca) is enforced on the gRPC API only: Serve's HTTP proxy cannot "
             "require client certificates, so keep a bearer token on")  # fmt: skip
     say("starting Ray" if args.address is None else f"joining Ray at {args.address}")
-    https = bool(config.get("http_options", {}).get("ssl_certfile"))
-    connect(args.address or "auto", placement, env=serve_env(local=True, https=https))
+    env = serve_env(local=True, https=terminates_https(config))
+    connect(args.address or "auto", placement, env=env)
     stopping = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopping.set())
