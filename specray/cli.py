@@ -33,6 +33,16 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="run on Ray: 'auto' (embedded local Ray) or a cluster address; default in process",
     )
     parser.add_argument("--tp-size", type=int, default=1, help="target tensor-parallel ranks")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto (a GPU when one is visible, else the CPU) | cpu | cuda | cuda:N",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 on CUDA, float32 on the CPU) | float32 | bfloat16 | float16",
+    )
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -216,6 +226,8 @@ def _generate(args: argparse.Namespace) -> int:
         draft_probs_encoding=args.draft_probs_encoding,
         cluster=args.cluster,
         tp_size=args.tp_size,
+        device=args.device,
+        dtype=args.dtype,
     )
     try:
         started = time.perf_counter()

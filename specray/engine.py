@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,6 +24,7 @@ from specray.engine_core.coordinator_config import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     CoordinatorConfig,
 )
+from specray.models.device import DeviceError, check_device_spec, check_dtype_spec, resolve_device
 from specray.models.loading import LoadedModel, load_model, load_model_info
 from specray.models.runner import ModelRunner
 from specray.outputs import RequestOutput
@@ -74,6 +75,10 @@ class Engine:
     coordinator: scheduling of the distributed path (micro-batches, adaptive k, draft-ahead);
         by default plain rounds with a fixed k, like the in-process engine (seeded requests
         draft every round after their first: ``reproducible_seeds``).
+    device: ``"auto"`` (a GPU when this process sees one, else the CPU), ``"cpu"``, ``"cuda"``
+        or ``"cuda:N"``; an unavailable device fails here, naming it. Distributed workers take
+        the GPUs Ray gives them. ``dtype``: ``"auto"`` (bfloat16 on CUDA, float32 on the CPU),
+        ``"float32"``, ``"bfloat16"`` or ``"float16"``, for the target loaded from files.
     """
 
     def __init__(
@@ -91,7 +96,14 @@ class Engine:
         draft_deadline_s: float = DEFAULT_DRAFT_DEADLINE_S,
         num_draft_workers: int = 1,
         coordinator: CoordinatorConfig | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
     ):
+        try:
+            check_device_spec(device)
+            check_dtype_spec(dtype)
+        except DeviceError as error:
+            raise EngineInputError(str(error)) from None
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
             raise EngineInputError(
                 f"num_speculative_tokens must be an integer, got {num_speculative_tokens!r}"
@@ -125,6 +137,11 @@ class Engine:
                 # where a burst of short requests could end before it has them).
                 reproducible_seeds=True,
             )
+            if device != "auto":  # the workers' device: with the GPUs the placement reserves
+                try:
+                    placement = replace(placement or PlacementConfig(), device=device)
+                except ValueError as error:
+                    raise EngineInputError(str(error)) from None
             self._init_distributed(
                 target, draft, cluster, tp_size, draft_probs_encoding, placement,
                 num_draft_workers, config,
@@ -132,10 +149,16 @@ class Engine:
             return
         if tp_size != 1:
             raise EngineInputError(f"tp_size={tp_size} needs a cluster (cluster='auto')")
+        try:
+            where = resolve_device(device)
+        except DeviceError as error:
+            raise EngineInputError(str(error)) from None
         if isinstance(target, str):
-            loaded = load_model(target, param="target")
+            loaded = load_model(target, param="target", device=where, dtype=dtype)
         elif isinstance(target, torch.nn.Module):
-            loaded = LoadedModel(target.eval(), tokenizer, path=None)
+            # An in-memory model runs where it is, unless a device was named: then it moves.
+            moved = target if device == "auto" else target.to(where)
+            loaded = LoadedModel(moved.eval(), tokenizer, path=None)
         else:
             raise EngineInputError(f"target must be a string or a model, got {target!r}")
         self.tokenizer = loaded.tokenizer

@@ -25,6 +25,7 @@ from specray.actors.draft_link import DraftLink
 from specray.core import RequestState
 from specray.drafters import DraftRequest, FeatureDrafter, make_drafter
 from specray.feature_rows import FeatureRows
+from specray.models.device import worker_device
 from specray.models.loading import LoadedModel, load_model, load_tokenizer, resolve_model_dir
 from specray.models.runner import ModelRunner
 from specray.protocol import (
@@ -71,10 +72,12 @@ class DraftWorker:
         draft: str,
         draft_probs_encoding: str = "fp32",
         num_threads: int = 1,
+        device: str = "auto",  # specray/models/device.py; the GPU is the one Ray gave
     ):
         import torch
 
         torch.set_num_threads(num_threads)
+        self.device = worker_device(device)
         target_dir = resolve_model_dir(target, param="target")
         tokenizer = load_tokenizer(target_dir)
         # The drafter needs the target's files and tokenizer, not its weights.
@@ -82,7 +85,7 @@ class DraftWorker:
         config_vocab = _vocab_size(target_dir)
         self.encoding = DraftProbsEncoding.parse(draft_probs_encoding)
         self.drafter = make_drafter(
-            draft, target_ref, config_vocab, self.encoding, keep_encoded=True
+            draft, target_ref, config_vocab, self.encoding, keep_encoded=True, device=self.device
         )
         self.vocab_size = config_vocab
         self.feature_drafter = next(

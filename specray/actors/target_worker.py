@@ -23,6 +23,7 @@ from specray.engine_core.coordinator import CoordinatorConfig
 from specray.engine_core.draft_streams import PoolCounters, StreamDraftPool
 from specray.engine_core.host import EngineCoreHost
 from specray.engine_core.sessions import EngineCoreServicer
+from specray.models.device import worker_device
 from specray.models.loading import load_model
 from specray.models.runner import ModelRunner
 from specray.models.tp import apply_tp, init_process_group_cpu
@@ -61,12 +62,16 @@ class TargetWorker:
         num_threads: int = 1,
         verifier_host: str | None = None,  # where drafts connect; None: this node's address
         keep_features: bool = False,  # a feature-conditioned draft: verdicts carry h rows
+        device: str = "auto",  # specray/models/device.py; the GPU is the one Ray gave
     ):
         torch.set_num_threads(num_threads)
         self.rank, self.world_size = rank, world_size
-        loaded = load_model(target, param="target")
+        self.device = worker_device(device)
+        loaded = load_model(target, param="target", device=self.device)
         if world_size > 1:
-            init_process_group_cpu(rank, world_size, init_method)
+            # On CUDA the all-reduces go over NCCL; per-round commands are CPU tensors (gloo).
+            backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+            init_process_group_cpu(rank, world_size, init_method, backend)
             apply_tp(loaded.model, rank, world_size)
         self.runner = ModelRunner(loaded.model)
         self.vocab_size = self.runner.vocab_size

@@ -96,6 +96,7 @@ class TargetGroup:
                 init_method,
                 placement.num_threads,
                 keep_features=keep_features,
+                device=placement.device,
             )
             for rank in range(tp_size)
         ]
@@ -150,7 +151,7 @@ def start_draft_actor(target: str, draft: str, encoding: str, placement: Placeme
     return (
         ray.remote(counted(DraftWorker))
         .options(**options)
-        .remote(target, draft, encoding, placement.num_threads)
+        .remote(target, draft, encoding, placement.num_threads, placement.device)
     )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from specray.models.device import check_device_spec
+
 
 @dataclass(frozen=True)
 class PlacementConfig:
@@ -17,8 +19,18 @@ class PlacementConfig:
     draft_num_gpus: float = 0.0
     target_num_gpus: float = 0.0
     num_threads: int = 1  # torch threads per worker
+    # Where workers run their models (specray/models/device.py): "auto" takes the GPUs Ray
+    # gives a worker (the *_num_gpus above), else the CPU; "cuda" requires them.
+    device: str = "auto"
 
     def __post_init__(self) -> None:
+        check_device_spec(self.device)
+        if self.device.startswith("cuda") and not (self.target_num_gpus and self.draft_num_gpus):
+            raise ValueError(
+                f"device={self.device!r} needs GPUs for every worker: target_num_gpus and "
+                f"draft_num_gpus must be > 0, got {self.target_num_gpus!r} and "
+                f"{self.draft_num_gpus!r}"
+            )
         for name in ("draft_resource", "target_resource"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:

@@ -71,18 +71,32 @@ def resolve_draft_name(draft: str, target: LoadedModel) -> str:
     return measured_winner(target) if draft in {"default", MEASURED_DRAFT} else draft
 
 
-def _load_self_draft(spec: str, target: LoadedModel, draft: str):
+def _load_self_draft(spec: str, target: LoadedModel, draft: str, device: torch.device):
     if target.path is None:
         raise ValueError(
             f"draft {draft!r} derives the draft from the target's files; "
             "an in-memory target has none (pass the draft model itself)"
         )
     if spec == "self:auto":
-        spec = f"self:{_fastest_self_dtype(target.path)}"
+        spec = "self:bf16" if device.type == "cuda" else f"self:{_fastest_self_dtype(target.path)}"
     if spec != "self:int8":
-        return load_model(str(target.path), dtype=SELF_DRAFT_DTYPES[spec], param="draft")
+        dtype = SELF_DRAFT_DTYPES[spec]
+        return load_model(str(target.path), dtype=dtype, param="draft", device=device)
+    if device.type != "cpu":
+        raise ValueError(
+            f"draft {draft!r}: int8 dynamic quantisation runs on the CPU only; on {device} use "
+            "'self:bf16' or 'self:fp16'"
+        )
     loaded = load_model(str(target.path), dtype="float32", param="draft")
     return LoadedModel(quantize_int8(loaded.model), loaded.tokenizer, loaded.path)
+
+
+def target_device(target: LoadedModel) -> torch.device:
+    """Where the target's weights are (the CPU for a target known by its files only): a model
+    drafter runs beside them unless told otherwise."""
+    if target.model is None:
+        return torch.device("cpu")
+    return next(target.model.parameters()).device
 
 
 def _fastest_self_dtype(target_dir: Path) -> str:
@@ -118,7 +132,7 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encoded):
+def _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encoded, device):
     distilled_dtype = "auto"
     if spec == SHIPPED_DRAFT or spec.startswith(f"{SHIPPED_DRAFT}:"):
         distilled_dtype = spec.partition(":")[2] or "auto"
@@ -130,7 +144,7 @@ def _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encode
         if not is_distilled_draft(spec):
             raise ValueError(f"draft {draft!r}: the shipped draft is missing from {spec}")
     if spec in SELF_DRAFTS:
-        loaded = _load_self_draft(spec, target, draft)
+        loaded = _load_self_draft(spec, target, draft, device)
         runner = ModelRunner(loaded.model)
         check_same_vocabulary(
             target.tokenizer, loaded.tokenizer, target_vocab_size, runner.vocab_size
@@ -139,11 +153,12 @@ def _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encode
         raise ValueError(f"draft must be one of {list(SELF_DRAFTS)}, got {draft!r}")
     elif is_distilled_draft(spec):  # checks the vocabulary against the target's itself
         draft_model = load_distilled(spec, target, target_vocab_size, distilled_dtype)
+        draft_model = draft_model.to(device)  # embeddings shared with a target there stay put
         runner = ModelRunner(draft_model)
         if hasattr(draft_model, "embed_with_features"):  # marker: "feature_conditioned": true
             return FeatureDrafter(runner, encoding, keep_encoded=keep_encoded)
     else:
-        loaded = load_model(spec, param="draft")
+        loaded = load_model(spec, param="draft", device=device)
         runner = ModelRunner(loaded.model)
         check_same_vocabulary(
             target.tokenizer, loaded.tokenizer, target_vocab_size, runner.vocab_size
@@ -163,14 +178,16 @@ def make_drafter(
     encoding: DraftProbsEncoding,
     *,
     keep_encoded: bool = False,
+    device: torch.device | None = None,
 ) -> Drafter | None:
     """``None`` (target-only); ``"ngram"``; ``"self:auto|bf16|fp16|fp32|int8"``; ``"distilled"``
     or ``"distilled:fp32|fp16|bf16"`` (the shipped draft of the default target); a distilled
     draft directory (feature-conditioned or not: its marker says) or a model path;
     ``"ngram+<any of those>"`` (prompt lookup first); ``"default"`` / ``"auto"`` (the measured
-    winner for this target)."""
+    winner for this target). Model drafters run on ``device`` (default: the target's)."""
     if draft is None:
         return None
+    device = device if device is not None else target_device(target)
     if not isinstance(draft, str):
         raise ValueError(f"draft must be a string or None, got {draft!r}")
     spec = resolve_draft_name(draft, target)
@@ -182,12 +199,14 @@ def make_drafter(
         rest = spec.removeprefix("ngram+")
         if rest in {"ngram", "", "default", MEASURED_DRAFT} or rest.startswith("ngram+"):
             raise ValueError(f"draft 'ngram+X' needs a model drafter as X, got {draft!r}")
-        then = _model_drafter(rest, draft, target, target_vocab_size, encoding, keep_encoded)
+        then = _model_drafter(
+            rest, draft, target, target_vocab_size, encoding, keep_encoded, device
+        )
         chain = FirstFoundDrafter(NgramDrafter(target_vocab_size, keep_encoded=keep_encoded), then)
         # The engine keeps target features when the model part reads them.
         chain.needs_target_features = getattr(then, "needs_target_features", False)
         return chain
-    return _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encoded)
+    return _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encoded, device)
 
 
 __all__ = [

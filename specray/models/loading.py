@@ -114,15 +114,39 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def load_model(source: str, *, dtype: str = "float32", param: str = "target") -> LoadedModel:
-    """Load a causal LM and its tokenizer from local files, in eval mode."""
+def load_model(
+    source: str,
+    *,
+    dtype: str = "auto",
+    param: str = "target",
+    device: torch.device | str = "cpu",
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer from local files, in eval mode, with its weights
+    created directly on ``device`` (a ``torch.device`` or a spec of
+    :func:`specray.models.device.resolve_device`). ``dtype="auto"``: bfloat16 on CUDA,
+    float32 elsewhere."""
     from transformers import AutoModelForCausalLM
 
-    if dtype not in _DTYPES:
-        raise ModelSourceError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    from specray.models.device import DeviceError, default_dtype, resolve_device
+
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    try:
+        dtype = default_dtype(device, dtype)
+    except DeviceError as error:
+        raise ModelSourceError(str(error)) from None
     path = resolve_model_dir(source, param=param)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=_DTYPES[dtype], local_files_only=True, device_map=_device_map(device)
+    )
     return LoadedModel(model.eval(), load_tokenizer(path), path)
+
+
+def _device_map(device: torch.device) -> str | None:
+    """transformers' placement for one device: weights materialised there, never first as a
+    full copy in host memory (None on the CPU: its plain loading path)."""
+    if device.type == "cpu":
+        return None
+    return str(device) if device.index is not None else f"{device.type}:0"
 
 
 @dataclass

@@ -88,7 +88,9 @@ class ModelRunner:
                 f"attention masks per family): use one of {sorted(SUPPORTED_TYPES)}"
             )
         self.model = model.eval()
-        on_cpu = next(model.parameters()).device.type == "cpu"
+        # Every tensor of a forward lives here; inputs are staged on the host and copied once.
+        self.device = next(model.parameters()).device
+        on_cpu = self.device.type == "cpu"
         if config._attn_implementation == "sdpa" and on_cpu:
             # (a feature-conditioned draft wraps a transformers decoder: switch that)
             owner = model if hasattr(model, "set_attn_implementation") else model.get_decoder()
@@ -230,19 +232,15 @@ class ModelRunner:
         end = max(lengths) + width  # slots attended over
         self.cache.reserve(len(self.seq_ids), end, len(self.seq_ids), self.num_slots)
         first = self._place_together(rows)
-        batch = len(running)
-        starts = torch.tensor(lengths)  # [batch]
-        positions = starts[:, None] + torch.arange(width)  # [batch, width]: slot = position
-        input_ids = torch.zeros(batch, width, dtype=torch.int64)  # [batch, width], 0 = padding
+        input_ids, positions = self._stage(running, new_token_ids, lengths, width)
         feature_batch = None  # [batch, width, feature_size], zeros where padding
         if features is not None:
-            size = next(iter(features.values())).shape[-1]
-            feature_batch = torch.zeros(batch, width, size)
-        for index, seq_id in enumerate(running):
-            tokens = new_token_ids[seq_id]
-            input_ids[index, : len(tokens)] = torch.as_tensor(list(tokens))
-            if feature_batch is not None:
-                feature_batch[index, : len(tokens)] = features[seq_id]
+            rows = [features[seq_id] for seq_id in running]
+            feature_batch = torch.zeros(
+                len(running), width, rows[0].shape[-1], device=self.device, dtype=rows[0].dtype
+            )
+            for index, row in enumerate(rows):
+                feature_batch[index, : len(row)] = row.to(self.device)
         self.cache.begin(first, positions, end)
         masks = self._masks(positions, end)
         hidden_or_logits = self._run(input_ids, positions, masks, feature_batch, self.cache)
@@ -266,6 +264,23 @@ class ModelRunner:
         parts = logits.split(sizes)
         return {seq_id: part for (seq_id, *_), part in zip(wanted, parts, strict=True)}, hidden
 
+    def _stage(self, running, new_token_ids, lengths, width):
+        """The forward's token ids and positions, both ``[batch, width]`` int64 on the model's
+        device: filled in one host buffer (pinned on CUDA, so the copy is asynchronous) and
+        copied with one transfer. Padding ids are 0; a row's positions run on from its length
+        (a token's slot is its position)."""
+        batch = len(running)
+        pinned = self.device.type == "cuda"
+        host = torch.zeros(2, batch, width, dtype=torch.int64, pin_memory=pinned)
+        ids, positions = host[0], host[1]
+        positions += torch.arange(width)
+        positions += torch.tensor(lengths, dtype=torch.int64)[:, None]
+        for index, seq_id in enumerate(running):
+            tokens = new_token_ids[seq_id]
+            ids[index, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64)
+        staged = host.to(self.device, non_blocking=pinned)  # [2, batch, width]
+        return staged[0], staged[1]
+
     def _place_together(self, rows: list[int]) -> int:
         """Order the rows so that ``rows`` (ascending) are one block; return its first row.
         Already one block: nothing moves. Otherwise the block goes first and the other rows
@@ -284,7 +299,7 @@ class ModelRunner:
         """Attention masks ``[batch, 1, width, end]`` (True: attend): token j of row i sees slots
         up to its position, and within the family's sliding window where one applies. One
         tensor, or {layer type: tensor} for families that mask per layer type."""
-        slots = torch.arange(end)  # [end]
+        slots = torch.arange(end, device=positions.device)  # [end]
         query = positions[:, None, :, None]  # [batch, 1, width, 1]
         causal = slots <= query  # [batch, 1, width, end]
         masks = {
@@ -341,14 +356,14 @@ class ModelRunner:
         if self.cache is None:
             self.cache = SlotCache()
         self.cache.reserve(first + len(rows), slots, first, self.num_slots)
-        index = torch.tensor(rows)
+        index = torch.tensor(rows, device=source.device)
         dtype = self.model.dtype
         self.cache.write_rows(
             first,
             [
                 (
-                    layer.keys[:, :, :slots].index_select(0, index).to(dtype),
-                    layer.values[:, :, :slots].index_select(0, index).to(dtype),
+                    layer.keys[:, :, :slots].index_select(0, index).to(self.device, dtype),
+                    layer.values[:, :, :slots].index_select(0, index).to(self.device, dtype),
                 )
                 for layer in source.cache.layers
             ],

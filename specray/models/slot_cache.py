@@ -134,7 +134,9 @@ class SlotCache:
         start = next((i for i, row in enumerate(order) if row != i), len(order))
         if start == len(order):
             return
-        index = torch.tensor(order[start:])
+        if not self.layers:
+            return
+        index = torch.tensor(order[start:], device=self.layers[0].keys.device)
         for layer in self.layers:
             for name in ("keys", "values"):
                 stored = getattr(layer, name)

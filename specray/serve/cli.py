@@ -26,6 +26,7 @@ _APP_FLAGS = {
     "tls_cert": str,
     "tls_key": str,
     "tls_client_ca": str,
+    "device": str,
 }
 
 

@@ -56,6 +56,9 @@ class AppArgs(BaseModel):
     draft_num_gpus: float = Field(0.0, ge=0)  # per draft worker (a fraction shares a GPU)
     target_num_gpus: float = Field(0.0, ge=0)  # per TP rank: 1 on GPU target nodes
     num_threads: int = Field(1, ge=1)
+    # Where workers run their models: auto | cpu | cuda | cuda:N (specray/models/device.py);
+    # "auto" takes the GPUs the *_num_gpus above reserve, and the CPU without them.
+    device: str = "auto"
     # Front ends.
     grpc_port: int | None = Field(DEFAULT_GRPC_PORT, ge=0, le=65535)  # None: no gRPC API
     auth_token: str | None = None  # bearer token both APIs require (health checks excepted)
@@ -158,4 +161,5 @@ class AppArgs(BaseModel):
             draft_num_gpus=self.draft_num_gpus,
             target_num_gpus=self.target_num_gpus,
             num_threads=self.num_threads,
+            device=self.device,
         )
