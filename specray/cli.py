@@ -135,6 +135,11 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --drafters: record the winner as what draft='auto' / 'default' resolve to",
     )
+    bench.add_argument(
+        "--tp-memory",
+        action="store_true",
+        help="peak memory of a target rank loading a random ~1.1B model at TP = 1 and TP = 2",
+    )
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per configuration")
 
@@ -328,6 +333,15 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.overhead:
         return _overhead_bench(args)
+    if args.tp_memory:
+        from specray.bench.tp_memory import format_report, run_tp_memory
+
+        report = run_tp_memory()
+        if args.json:
+            _print_json(json.dumps(report, indent=1))
+        else:
+            print(format_report(report))
+        return 0
     args.target = args.target or "default"
     if args.steps:
         return _steps_bench(args)

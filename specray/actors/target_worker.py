@@ -23,10 +23,11 @@ from specray.engine_core.coordinator import CoordinatorConfig
 from specray.engine_core.draft_streams import PoolCounters, StreamDraftPool
 from specray.engine_core.host import EngineCoreHost
 from specray.engine_core.sessions import EngineCoreServicer
-from specray.models.device import worker_device
+from specray.models.device import default_dtype, worker_device
 from specray.models.loading import load_model
 from specray.models.runner import ModelRunner
-from specray.models.tp import apply_tp, init_process_group_cpu
+from specray.models.tp import init_process_group_cpu
+from specray.models.tp_loading import load_model_shard
 from specray.protocol import RoundReport, VerifyResult, VerifyRound
 from specray.rpc.inbox import BlockInbox
 from specray.rpc.messages import features_to_pb
@@ -67,12 +68,15 @@ class TargetWorker:
         torch.set_num_threads(num_threads)
         self.rank, self.world_size = rank, world_size
         self.device = worker_device(device)
-        loaded = load_model(target, param="target", device=self.device)
         if world_size > 1:
             # On CUDA the all-reduces go over NCCL; per-round commands are CPU tensors (gloo).
             backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
             init_process_group_cpu(rank, world_size, init_method, backend)
-            apply_tp(loaded.model, rank, world_size)
+            # Only this rank's shard is ever read into memory.
+            dtype = default_dtype(self.device)
+            loaded = load_model_shard(target, rank, world_size, device=self.device, dtype=dtype)
+        else:
+            loaded = load_model(target, param="target", device=self.device)
         self.runner = ModelRunner(loaded.model)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = eos_token_ids(loaded.model, loaded.tokenizer)
