@@ -18,6 +18,7 @@ import ray
 import torch
 
 from specray.actors.ray_calls import mark_round_path_thread
+from specray.actors.tp_group import command_group
 from specray.core import RequestState, TargetCore, eos_token_ids
 from specray.engine_core.coordinator import CoordinatorConfig
 from specray.engine_core.draft_streams import PoolCounters, StreamDraftPool
@@ -72,6 +73,7 @@ class TargetWorker:
             # On CUDA the all-reduces go over NCCL; per-round commands are CPU tensors (gloo).
             backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
             init_process_group_cpu(rank, world_size, init_method, backend)
+            self.commands = command_group()  # every rank, right after joining
             # Only this rank's shard is ever read into memory.
             dtype = default_dtype(self.device)
             loaded = load_model_shard(target, rank, world_size, device=self.device, dtype=dtype)
@@ -84,7 +86,7 @@ class TargetWorker:
         if rank == 0:
             from specray.actors.tp_group import LeaderRunner
 
-            runner = LeaderRunner(self.runner) if world_size > 1 else self.runner
+            runner = LeaderRunner(self.runner, self.commands) if world_size > 1 else self.runner
             # Only the leader keeps features: followers run the same forwards, compute no
             # logits and send nothing, so they are unaffected.
             self.core = TargetCore(runner, keep_features=keep_features)
@@ -195,7 +197,7 @@ class TargetWorker:
     def follow(self) -> int:
         from specray.actors.tp_group import follow
 
-        return follow(self.runner)
+        return follow(self.runner, self.commands)
 
     # ---- leader (rank 0) ---------------------------------------------------------------
     def verify_round(self, round_: VerifyRound) -> RoundReport:

@@ -6,11 +6,19 @@ same order (each forward makes two all-reduces per layer). Rank 0 wraps its runn
 running it; rollbacks and removals are local cache edits, so they are queued and ride along
 with the next forward. Followers run :func:`follow` until told to stop. Followers compute no
 logits: only rank 0 samples.
+
+Commands travel on a gloo group of their own (:func:`command_group`: CPU tensors, whatever
+backend the all-reduces use), with a finite timeout. While the group is idle the leader sends a
+ping every ``HEARTBEAT_S``, so a follower that hears nothing for ``COMMAND_TIMEOUT_S`` knows
+its leader is dead or hung: its loop fails, and the group is replaced as a unit.
 """
 
 from __future__ import annotations
 
+import datetime
 import struct
+import threading
+import time
 from collections.abc import Hashable, Mapping, Sequence
 
 import msgpack
@@ -32,15 +40,24 @@ MAX_COMMAND_MAP_LEN = 1 << 16  # sequences in one forward
 # 0.38 ms on gloo here, one of 4 KiB 0.19-0.27 ms (docs/bench/history.md).
 HEADER_BYTES = 4096
 _LENGTH = struct.Struct("<q")
+HEARTBEAT_S = 1.0  # an idle leader pings this often ...
+COMMAND_TIMEOUT_S = 15.0  # ... and a follower that heard nothing for this long fails
+_PING = msgpack.packb({"op": "ping", "ops": []})
 
 
-def _broadcast_bytes(payload: bytes | None) -> bytes:
-    """Rank 0 sends ``payload``; every rank returns it."""
+def command_group(timeout_s: float = COMMAND_TIMEOUT_S):
+    """The gloo group the commands travel on; every rank of the default group calls it, in the
+    same order, right after joining that group."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _broadcast_bytes(payload: bytes | None, group=None) -> bytes:
+    """Rank 0 sends ``payload`` over ``group`` (default: the world); every rank returns it."""
     first = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     if payload is not None:
         head = _LENGTH.pack(len(payload)) + payload[: HEADER_BYTES - _LENGTH.size]
         first[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    dist.broadcast(first, src=0)
+    dist.broadcast(first, src=0, group=group)
     data = first.numpy().tobytes()
     (count,) = _LENGTH.unpack_from(data)
     if not 0 <= count <= MAX_COMMAND_BYTES:
@@ -53,7 +70,7 @@ def _broadcast_bytes(payload: bytes | None) -> bytes:
         buffer = torch.empty(rest, dtype=torch.uint8)
     else:
         buffer = torch.frombuffer(bytearray(payload[len(inline) :]), dtype=torch.uint8)
-    dist.broadcast(buffer, src=0)
+    dist.broadcast(buffer, src=0, group=group)
     return inline + buffer.numpy().tobytes()
 
 
@@ -89,13 +106,38 @@ def _apply_ops(runner: ModelRunner, ops: list) -> None:
 
 
 class LeaderRunner:
-    """Rank 0's runner: the ModelRunner interface, mirrored on every follower."""
+    """Rank 0's runner: the ModelRunner interface, mirrored on every follower. From its first
+    command on, a thread pings the followers whenever no command went out for ``heartbeat_s``."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, group=None, heartbeat_s: float = HEARTBEAT_S):
         self.runner = runner
         self.model = runner.model
         self.vocab_size = runner.vocab_size
+        self.device = runner.device
         self._ops: list = []  # local edits not yet sent to the followers
+        self._group, self._heartbeat_s = group, heartbeat_s
+        self._send_lock = threading.Lock()  # one broadcast at a time: forward or ping
+        self._last_sent = time.monotonic()
+        self._stopped = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    def _send(self, payload: bytes) -> None:
+        with self._send_lock:
+            _broadcast_bytes(payload, self._group)
+            self._last_sent = time.monotonic()
+        if self._heartbeat is None and not self._stopped.is_set():
+            # Started after the first command: the followers are listening by then.
+            self._heartbeat = threading.Thread(target=self._ping, name="tp-heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    def _ping(self) -> None:
+        while not self._stopped.wait(self._heartbeat_s / 4):
+            with self._send_lock:
+                if self._stopped.is_set():
+                    return
+                if time.monotonic() - self._last_sent >= self._heartbeat_s:
+                    _broadcast_bytes(_PING, self._group)
+                    self._last_sent = time.monotonic()
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self.runner
@@ -113,8 +155,7 @@ class LeaderRunner:
         """As ModelRunner.forward; ``num_hidden`` (target features) is rank 0's alone: the
         final-norm hidden state is whole after the last all-reduce, followers need none."""
         feeds = {seq_id: list(tokens) for seq_id, tokens in new_token_ids.items()}
-        command = {"op": "forward", "ops": self._ops, "feeds": feeds}
-        _broadcast_bytes(msgpack.packb(command))
+        self._send(msgpack.packb({"op": "forward", "ops": self._ops, "feeds": feeds}))
         self._ops = []
         return self.runner.forward(feeds, num_logits, num_hidden=num_hidden)
 
@@ -129,18 +170,29 @@ class LeaderRunner:
         self.runner.remove(seq_ids)
         self._ops.append(("remove", list(seq_ids)))
 
+    def stop_heartbeat(self) -> None:
+        """No more pings (the followers then time out unless a command or stop follows)."""
+        with self._send_lock:
+            self._stopped.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+
     def stop(self) -> None:
-        _broadcast_bytes(msgpack.packb({"op": "stop", "ops": self._ops}))
+        self.stop_heartbeat()
+        _broadcast_bytes(msgpack.packb({"op": "stop", "ops": self._ops}), self._group)
         self._ops = []
 
 
-def follow(runner: ModelRunner) -> int:
-    """A follower's loop: mirror the leader's commands until it stops. Returns forwards run."""
+def follow(runner: ModelRunner, group=None) -> int:
+    """A follower's loop: mirror the leader's commands until it stops. Returns forwards run.
+    Raises when no command or ping arrives within the group's timeout."""
     forwards = 0
     while True:
-        command = decode_command(_broadcast_bytes(None))
+        command = decode_command(_broadcast_bytes(None, group))
         _apply_ops(runner, command["ops"])
         if command["op"] == "stop":
             return forwards
+        if command["op"] == "ping":
+            continue
         runner.forward(command["feeds"], {})
         forwards += 1

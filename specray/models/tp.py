@@ -47,20 +47,29 @@ COLWISE = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}  # split output
 ROWWISE = {"o_proj", "down_proj"}  # split input columns, all-reduce the output
 
 
+# A collective of the forward waits at most this long for the other ranks (they run the same
+# forward: only a dead or hung rank makes it wait); idle followers wait on the command group,
+# whose leader pings (specray/actors/tp_group.py).
+GROUP_TIMEOUT_S = 120.0
+
+
 def init_process_group_cpu(
-    rank: int, world_size: int, init_method: str, backend: str = "gloo"
+    rank: int,
+    world_size: int,
+    init_method: str,
+    backend: str = "gloo",
+    timeout_s: float = GROUP_TIMEOUT_S,
 ) -> None:
     """Join the default process group, e.g. ``init_method="tcp://127.0.0.1:29500"``.
 
-    ``gloo`` is for CPU tensors; pass ``backend="nccl"`` when the model lives on CUDA devices.
+    ``gloo`` is for CPU tensors; on CUDA pass ``"cpu:gloo,cuda:nccl"`` (NCCL all-reduces).
     """
-    # Followers wait in a broadcast while the group is idle: no collective timeout for that.
     dist.init_process_group(
         backend,
         init_method=init_method,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(days=365),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
 
 

@@ -110,7 +110,7 @@ class RecordingRunner:
 def _follow(monkeypatch, payloads: list[bytes]) -> tuple[int, RecordingRunner]:
     """Run the real follower loop on ``payloads`` as if broadcast by the leader."""
     queue = iter(payloads)
-    monkeypatch.setattr(tp_group, "_broadcast_bytes", lambda payload: next(queue))
+    monkeypatch.setattr(tp_group, "_broadcast_bytes", lambda payload, group=None: next(queue))
     runner = RecordingRunner()
     return tp_group.follow(runner), runner
 

@@ -51,7 +51,7 @@ def test_a_header_announcing_a_bad_length_is_refused(monkeypatch, count):
     header = count.to_bytes(8, "little", signed=True)
     sizes = []
 
-    def broadcast(tensor, src):
+    def broadcast(tensor, src, group=None):
         sizes.append(tensor.numel())
         tensor[:8] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
 
@@ -59,3 +59,69 @@ def test_a_header_announcing_a_bad_length_is_refused(monkeypatch, count):
     with pytest.raises(ValueError, match="exceeds"):
         tp_group._broadcast_bytes(None)
     assert sizes == [tp_group.HEADER_BYTES]
+
+
+class _Runner:
+    """A follower's runner that only counts (the channel is what is tested here)."""
+
+    model, vocab_size, device = None, 0, torch.device("cpu")
+
+    def __init__(self):
+        self.forwards = 0
+
+    def forward(self, feeds, num_logits):
+        self.forwards += 1
+
+
+def _heartbeat_worker(rank: int, init_method: str, out_dir: str) -> None:
+    """Rank 0 sends one forward, idles 3 s (pinging every 0.3 s), then goes silent as a hung
+    leader would; rank 1 follows on a command group with a 1.5 s timeout and records how its
+    loop ended and when."""
+    import json
+    import time
+
+    init_process_group_cpu(rank, 2, init_method)
+    commands = tp_group.command_group(timeout_s=1.5)
+    try:
+        if rank == 0:
+            leader = tp_group.LeaderRunner(_Runner(), commands, heartbeat_s=0.3)
+            leader._send(tp_group.msgpack.packb({"op": "forward", "ops": [], "feeds": {}}))
+            time.sleep(3.0)
+            leader.stop_heartbeat()
+            silent = time.monotonic()
+            time.sleep(6.0)  # silent: the follower must give up meanwhile
+            with open(f"{out_dir}/leader.json", "w") as out:
+                json.dump({"silent_at": silent}, out)
+            return
+        runner, started = _Runner(), time.monotonic()
+        try:
+            tp_group.follow(runner, commands)
+            outcome = "stopped"
+        except RuntimeError as error:  # gloo's timeout
+            outcome = f"failed: {type(error).__name__}"
+        with open(f"{out_dir}/follower.json", "w") as out:
+            json.dump(
+                {
+                    "outcome": outcome,
+                    "after_s": time.monotonic() - started,
+                    "forwards": runner.forwards,
+                },
+                out,
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # spawns two processes that talk over gloo
+@pytest.mark.timeout(120)
+def test_an_idle_leader_pings_and_a_silent_one_fails_its_followers_in_seconds(tmp_path):
+    """Idle for 3 s (twice the follower's timeout) the follower keeps waiting, on pings; once
+    the leader falls silent, the follower's loop fails within its 1.5 s timeout (plus
+    scheduling), not after the 365 days a collective used to wait."""
+    import json
+
+    mp.spawn(_heartbeat_worker, args=(f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=2)
+    follower = json.loads((tmp_path / "follower.json").read_text())
+    assert follower["outcome"].startswith("failed")
+    assert follower["forwards"] == 1
+    assert 3.0 + 1.0 < follower["after_s"] < 3.0 + 1.5 + 3.0
