@@ -140,6 +140,18 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="peak memory of a target rank loading a random ~1.1B model at TP = 1 and TP = 2",
     )
+    bench.add_argument(
+        "--verify",
+        action="store_true",
+        help="the verification rules alone on random data: one round's cost against a softmax",
+    )
+    bench.add_argument("--vocab", type=int, default=128256, help="for --verify")
+    bench.add_argument("--batch", type=int, default=16, help="for --verify: requests per round")
+    bench.add_argument(
+        "--verify-k", type=int, default=None, help="for --verify: draft tokens (or --k N; 4)"
+    )
+    bench.add_argument("--encoding", default="top64", help="for --verify: q on the wire")
+    bench.add_argument("--threads", type=int, default=1, help="for --verify: torch threads")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per configuration")
 
@@ -322,6 +334,21 @@ def _steps_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_bench(args: argparse.Namespace) -> int:
+    from specray.bench.verify import VerifyBenchConfig, format_verify, run_verify_bench
+
+    config = VerifyBenchConfig(
+        vocab=args.vocab,
+        batch=args.batch,
+        k=args.verify_k or (int(args.k) if args.k.isdigit() else 4),
+        encoding=args.encoding,
+        threads=args.threads,
+    )
+    report = run_verify_bench(config)
+    _print_json(json.dumps(report, indent=2) if args.json else format_verify(report))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from specray.bench.main import (
         BenchConfig,
@@ -331,6 +358,8 @@ def _bench(args: argparse.Namespace) -> int:
         run_distributed_bench,
     )
 
+    if args.verify:
+        return _verify_bench(args)
     if args.overhead:
         return _overhead_bench(args)
     if args.tp_memory:

@@ -3,7 +3,8 @@
 The in-process :class:`specray.engine.Engine` drives it with a local drafter; the distributed
 target worker drives it with draft blocks that arrived over gRPC. Either way a round is:
   1. one target forward over ``[pending, d_1 .. d_n]`` per request (batched);
-  2. the request's LogitsPipeline turns each row into p, with the history at that position;
+  2. the requests' LogitsPipelines turn each row into p, with the history at that position
+     (all requests in one batched pass, bit-identical to each pipeline's own);
   3. the verification rule (greedy or stochastic, keyed draws) commits 1..n+1 tokens;
   4. the target cache rolls back the rejected suffix.
 The target cache holds every committed token except the last ("pending"), which is fed first.
@@ -15,14 +16,15 @@ h_0 .. h_{P-2}, each round the rows of pending and the accepted drafts (the rows
 
 from __future__ import annotations
 
-import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from specray.feature_rows import FeatureRows
+from specray.models.device import DeviceTimer
 from specray.models.runner import ModelRunner
 from specray.outputs import RequestOutput, SpecDecodeMetrics
 from specray.protocol import RequestSpec
@@ -31,9 +33,11 @@ from specray.sampling import (
     LogitsPipeline,
     SamplingParams,
     VerifyUniforms,
-    verify_batch,
     verify_batch_greedy_ids,
 )
+from specray.sampling.batch_pipeline import BatchLogitsPipeline
+from specray.sampling.rng import seed_tensor
+from specray.sampling.verify_sparse import DraftProbs, verify_blocks
 from specray.target_rounds import prefill_span
 
 
@@ -144,8 +148,34 @@ def eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-# A block as the core consumes it: drafted tokens [n] and the exact q they came from [n, vocab].
-Block = tuple[list[int], torch.Tensor]
+# A block as the core consumes it: drafted tokens [n] and the exact q they came from, dense
+# [n, vocab] or, as a top<M> block arrives, sparse [n, M].
+Block = tuple[list[int], DraftProbs]
+
+
+def _committed_lists(parts, num_requests: int) -> list[list[int]]:
+    """Each request's committed tokens from the round's results (``parts``: request indexes
+    and their BatchVerifyResult), read to the host with one copy: per row, the accepted
+    count then the token row, padded to one width."""
+    width = max(result.token_ids.shape[1] for _, result in parts)
+    packed = torch.cat(
+        [
+            torch.cat(
+                [
+                    result.num_accepted[:, None],  # [batch, 1]
+                    F.pad(result.token_ids, (0, width - result.token_ids.shape[1])),
+                ],
+                dim=1,
+            )  # [batch, 1 + width]
+            for _, result in parts
+        ]
+    )
+    host = packed.tolist()  # the one device-to-host copy of the round
+    committed: list[list[int]] = [[] for _ in range(num_requests)]
+    order = [i for rows, _ in parts for i in rows]
+    for i, row in zip(order, host, strict=True):
+        committed[i] = row[1 : row[0] + 2]
+    return committed
 
 
 class TargetCore:
@@ -159,6 +189,7 @@ class TargetCore:
         self._features: dict[Hashable, FeatureRows] = {}  # h of committed cached positions
         self.prefilling: set[Hashable] = set()  # requests whose cache stops short of the prompt
         self.forward_s = 0.0  # seconds in verification forwards (the rest of a round is rules)
+        self._batch_pipeline = BatchLogitsPipeline()  # every request's p in one pass per round
 
     def prefill(
         self, requests: Sequence[RequestState], until: Mapping[Hashable, int | None] | None = None
@@ -211,25 +242,26 @@ class TargetCore:
         Commits the tokens into each request (stop and length applied), records metrics and
         rolls the cache back to the accepted prefix. Returns the committed tokens per request.
         """
-        empty: Block = ([], torch.zeros(0, self.vocab_size))
+        empty: Block = ([], torch.zeros(0, self.vocab_size, device=self.runner.device))
         blocks = {r.request_id: blocks.get(r.request_id, empty) for r in requests}
         feeds = {r.request_id: [r.pending_token, *blocks[r.request_id][0]] for r in requests}
         sizes = {key: len(value) for key, value in feeds.items()}
         hidden = {}  # request -> h of [pending, d_1 .. d_n]: [n + 1, hidden]
-        started = time.perf_counter()
+        timer = DeviceTimer(self.runner.device).start()
         if self.keep_features:
             logits, hidden = self.runner.forward(feeds, sizes, num_hidden=sizes)
         else:
             logits = self.runner.forward(feeds, sizes)
-        self.forward_s += time.perf_counter() - started
+        timer.stop()
         # Greedy: the argmax ids [n + 1]; sampled: the distributions [n + 1, vocab].
-        target_rows = [
-            (r.pipeline.greedy_token_ids if r.params.greedy else r.pipeline.probs)(
-                logits[r.request_id], r.output_token_ids, blocks[r.request_id][0]
-            )
-            for r in requests
-        ]
+        target_rows = self._batch_pipeline(
+            [r.pipeline for r in requests],
+            [logits[r.request_id] for r in requests],
+            [r.output_token_ids for r in requests],
+            [blocks[r.request_id][0] for r in requests],
+        )
         results = self._verify(requests, blocks, target_rows)
+        self.forward_s += timer.seconds()  # the results' copy waited for the device already
         for request, committed in zip(requests, results, strict=True):
             num_draft = len(blocks[request.request_id][0])
             num_accepted = len(committed) - 1
@@ -245,48 +277,48 @@ class TargetCore:
     def _verify(self, requests, blocks, target_rows) -> list[list[int]]:
         """Apply each request's rule; greedy and sampled requests are batched separately.
         ``target_rows``: per request, its argmax ids ``[n + 1]`` when greedy, else its
-        distributions ``[n + 1, vocab]``."""
-        committed: list[list[int]] = [[] for _ in requests]
+        distributions ``[n + 1, vocab]``. The round's results come to the host in one copy."""
+        device = self.runner.device
+        parts = []  # (request indexes, BatchVerifyResult), on the device
         for greedy in (True, False):
             rows = [i for i, r in enumerate(requests) if r.params.greedy == greedy]
             if not rows:
                 continue
-            k = max(len(blocks[requests[i].request_id][0]) for i in rows)
-            num_draft = torch.tensor([len(blocks[requests[i].request_id][0]) for i in rows])
-            draft_ids = torch.zeros(len(rows), k, dtype=torch.int64)  # [batch, k]
-            for slot, i in enumerate(rows):
-                tokens = blocks[requests[i].request_id][0]
-                draft_ids[slot, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            drafted = [blocks[requests[i].request_id][0] for i in rows]
+            k = max(len(tokens) for tokens in drafted)
+            # Built on the host from the blocks, then one copy each to the device.
+            num_draft = torch.tensor([len(tokens) for tokens in drafted], device="cpu")
+            draft_ids = torch.zeros(len(rows), k, dtype=torch.int64, device="cpu")  # [batch, k]
+            for slot, tokens in enumerate(drafted):
+                draft_ids[slot, : len(tokens)] = torch.tensor(
+                    tokens, dtype=torch.int64, device="cpu"
+                )
+            num_draft, draft_ids = num_draft.to(device), draft_ids.to(device)
             targets = [target_rows[i] for i in rows]
             if greedy:
                 result = self._verify_greedy(targets, draft_ids, num_draft)
             else:
                 picked = [requests[i] for i in rows]
                 result = self._verify_sampled(picked, blocks, targets, draft_ids, num_draft)
-            for slot, i in enumerate(rows):
-                committed[i] = result.row(slot).token_ids.tolist()
-        return committed
+            parts.append((rows, result))
+        return _committed_lists(parts, len(requests))
 
     @staticmethod
     def _verify_greedy(target_ids, draft_ids, num_draft):
         # [batch, k+1]: the longest row has k + 1 ids; shorter rows padded with 0 (unread)
         padded = pad_sequence(target_ids, batch_first=True).to(draft_ids.device)
-        return verify_batch_greedy_ids(draft_ids, num_draft, padded)
+        return verify_batch_greedy_ids(draft_ids, num_draft, padded, validate=False)
 
     def _verify_sampled(self, requests, blocks, target_probs, draft_ids, num_draft):
-        batch, k = draft_ids.shape
-        padded_target = torch.zeros(batch, k + 1, self.vocab_size)  # [batch, k+1, vocab]
-        padded_draft = torch.zeros(batch, k, self.vocab_size)  # [batch, k, vocab]
-        accept = torch.zeros(batch, k, dtype=torch.float64)  # [batch, k]
-        residual = torch.zeros(batch, k, dtype=torch.float64)  # [batch, k]
-        bonus = torch.zeros(batch, dtype=torch.float64)  # [batch]
-        for slot, request in enumerate(requests):
-            tokens, draft_probs = blocks[request.request_id]
-            n = len(tokens)
-            padded_target[slot, : n + 1] = target_probs[slot]
-            padded_draft[slot, :n] = draft_probs
-            uniforms = VerifyUniforms.draw(request.random, n, len(request.output_token_ids))
-            accept[slot, :n], residual[slot, :n] = uniforms.accept[0], uniforms.residual[0]
-            bonus[slot] = uniforms.bonus[0]
-        uniforms = VerifyUniforms(accept, residual, bonus)
-        return verify_batch(draft_ids, num_draft, padded_draft, padded_target, uniforms)
+        # On the target rows' device, a whole round's keyed draws at once; q as the blocks
+        # carry it (a top<M> q stays sparse). Blocks from draft workers were checked at the
+        # boundary (check_block), so the rules trust them and read one flag on the host.
+        device = target_probs[0].device
+        draft_ids, num_draft = draft_ids.to(device), num_draft.to(device)
+        seeds = seed_tensor([request.random.seed for request in requests], device)
+        first = torch.tensor([len(r.output_token_ids) for r in requests], device=device)
+        uniforms = VerifyUniforms.draw_round(seeds, first, num_draft, draft_ids.shape[1], device)
+        draft_probs = [blocks[request.request_id][1] for request in requests]
+        return verify_blocks(
+            draft_ids, num_draft, draft_probs, target_probs, uniforms, validate=False
+        )

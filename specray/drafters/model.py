@@ -166,7 +166,7 @@ class ModelDrafter:
                     token = int(draft_probs[0].argmax())
                 else:
                     position = len(request.output_token_ids) + step
-                    uniform = request.random.uniforms([position], Purpose.DRAFT)
+                    uniform = request.random.uniforms([position], Purpose.DRAFT, draft_probs.device)
                     token = int(sample_from_probs(draft_probs, uniform))
                 proposals[request_id].append(token)
                 probs[request_id].append(draft_probs[0])

@@ -15,6 +15,7 @@ overrides.
 from __future__ import annotations
 
 import re
+import time
 
 import torch
 
@@ -111,3 +112,36 @@ def default_dtype(device: torch.device, dtype: str = "auto", param: str = "dtype
     if dtype != "auto":
         return dtype
     return "bfloat16" if device.type == "cuda" else "float32"
+
+
+class DeviceTimer:
+    """Seconds of device work between :meth:`start` and :meth:`stop`: CUDA events on a GPU
+    (its work is asynchronous: a host clock would time the launches), the host clock
+    elsewhere. :meth:`seconds` waits for the end event; call it once the caller has
+    synchronised anyway, e.g. after reading the round's results."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._begin: object = None
+        self._end: object = None
+
+    def _mark(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> DeviceTimer:
+        self._begin = self._mark()
+        return self
+
+    def stop(self) -> DeviceTimer:
+        self._end = self._mark()
+        return self
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return self._end - self._begin
+        self._end.synchronize()
+        return self._begin.elapsed_time(self._end) / 1000

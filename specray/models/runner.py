@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specray.models.device import DeviceTimer
 from specray.models.linears import tune_decoder_linears, tune_head
 from specray.models.slot_cache import SlotCache
 
@@ -107,6 +108,7 @@ class ModelRunner:
         # (models/linears.py): a 1-token step and a (k+1)-token verification then cost about
         # the same, as memory-bound products should.
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        tune = tune and on_cpu  # (the kernels it chooses between are the CPU's)
         self.linear_tuning = tune_decoder_linears(decoder) if tune and decoder else None
         self._tuned_head = tune_head(head) if tune and plain_head else None
         self.head_s = 0.0  # seconds in the head (logits), over the runner's life: benchmarks
@@ -163,9 +165,9 @@ class ModelRunner:
         self.forward({seq_id: [1] * context for seq_id in ids}, {})
         best = float("inf")
         for _ in range(repeats):
-            started = time.perf_counter()
+            timer = DeviceTimer(self.device).start()
             self.forward({seq_id: [1] * tokens for seq_id in ids}, dict.fromkeys(ids, tokens))
-            best = min(best, time.perf_counter() - started)
+            best = min(best, timer.stop().seconds())
             for seq_id in ids:
                 self.rollback(seq_id, tokens)
         self.remove(ids)
@@ -271,13 +273,13 @@ class ModelRunner:
         (a token's slot is its position)."""
         batch = len(running)
         pinned = self.device.type == "cuda"
-        host = torch.zeros(2, batch, width, dtype=torch.int64, pin_memory=pinned)
+        host = torch.zeros(2, batch, width, dtype=torch.int64, device="cpu", pin_memory=pinned)
         ids, positions = host[0], host[1]
-        positions += torch.arange(width)
-        positions += torch.tensor(lengths, dtype=torch.int64)[:, None]
+        positions += torch.arange(width, device="cpu")
+        positions += torch.tensor(lengths, dtype=torch.int64, device="cpu")[:, None]
         for index, seq_id in enumerate(running):
             tokens = new_token_ids[seq_id]
-            ids[index, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64)
+            ids[index, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64, device="cpu")
         staged = host.to(self.device, non_blocking=pinned)  # [2, batch, width]
         return staged[0], staged[1]
 

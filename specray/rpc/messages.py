@@ -19,6 +19,7 @@ from specray.sampling import (
     WireTensor,
     decode_draft_probs,
 )
+from specray.sampling.encoding import SparseDraftProbs, decode_sparse_draft_probs
 from specray.v1 import speculation_pb2 as pb
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # explicit gRPC send/receive limit on both ends
@@ -36,13 +37,15 @@ class InvalidMessageError(ValueError):
 
 @dataclass(frozen=True)
 class CheckedBlock:
-    """A validated draft block, decoded: ``draft_probs[j]`` is the q ``token_ids[j]`` came from."""
+    """A validated draft block, decoded: row j of ``draft_probs`` is the q ``token_ids[j]``
+    came from. A ``top<M>`` block stays sparse (what the verification rules take as is)."""
 
     request_id: str
     step: int
     num_committed: int
     token_ids: list[int]  # [k]
-    draft_probs: torch.Tensor  # [k, vocab] float32, rows sum to 1
+    # dense: [k, vocab] float32; top<M>: [k, M] ids and float32 values. Rows sum to 1.
+    draft_probs: torch.Tensor | SparseDraftProbs
     num_target_features: int = 0  # leading target feature rows the draft holds (FC drafts)
 
 
@@ -157,8 +160,19 @@ def check_block(message: pb.DraftBlock, vocab_size: int) -> CheckedBlock:
         else None,
     )
     # Decode row by row, as the draft did, so both ends hold bit-identical q.
-    draft_probs = torch.cat([decode_draft_probs(encoded.row(j)) for j in range(k)])  # [k, vocab]
-    at_draft = draft_probs[torch.arange(k), torch.tensor(token_ids)]
+    drafted = torch.tensor(token_ids)  # [k]
+    if encoding.sparse:
+        rows = [decode_sparse_draft_probs(encoded.row(j)) for j in range(k)]
+        draft_probs = SparseDraftProbs(
+            torch.cat([row.token_ids for row in rows]),  # [k, M]
+            torch.cat([row.values for row in rows]),  # [k, M]
+            vocab_size,
+        )
+        matches = draft_probs.token_ids == drafted[:, None]  # [k, M], one at most
+        at_draft = (draft_probs.values * matches).sum(dim=-1)  # [k]
+    else:
+        draft_probs = torch.cat([decode_draft_probs(encoded.row(j)) for j in range(k)])
+        at_draft = draft_probs[torch.arange(k), drafted]  # [k]
     if not bool((at_draft > 0).all()):
         position = int((at_draft <= 0).nonzero()[0])
         raise InvalidMessageError(f"draft_probs is 0 at drafted token {position} (q(d) > 0)")

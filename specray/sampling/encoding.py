@@ -9,7 +9,9 @@ Encodings (``DraftProbsEncoding.parse``):
   - ``"fp16"`` / ``"bf16"``: dense half precision (fp16 flushes p < ~6e-8 to zero, bf16 keeps
     the range with fewer mantissa bits);
   - ``"top<M>"`` (e.g. ``"top64"``): sparse, the M most likely ids with float32 values.
-Decoding renormalises each row in float64 so it sums to 1.
+Decoding renormalises each row in float64 so it sums to 1; a sparse row is renormalised by
+the float64 sum of its M values, so its sparse form (:class:`SparseDraftProbs`, what the target
+verifies with) and its dense form (what the draft samples from) hold the same float32 values.
 Tensors travel as raw little-endian bytes with their dtype and shape.
 """
 
@@ -66,7 +68,8 @@ class WireTensor:
                 f"tensor dtype must be one of {sorted(_WIRE_DTYPES)}, got {tensor.dtype}"
             )
         name = names[0]
-        raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()  # CPU torch is little-endian
+        host = tensor.detach().to("cpu").contiguous()  # the wire carries host bytes
+        raw = host.view(torch.uint8).numpy().tobytes()  # CPU torch is little-endian
         return WireTensor(raw, name, tuple(tensor.shape))
 
     def row(self, index: int) -> WireTensor:
@@ -186,15 +189,41 @@ def encode_draft_probs(
     return EncodedDraftProbs(encoding.name, vocab, WireTensor.from_tensor(dense))
 
 
+@dataclass(frozen=True)
+class SparseDraftProbs:
+    """A decoded ``top<M>`` q, kept sparse: row j puts ``values[j, i]`` on ``token_ids[j, i]``
+    and 0 on every other id of the vocabulary."""
+
+    token_ids: torch.Tensor  # [k, M] int64, distinct within a row
+    values: torch.Tensor  # [k, M] float32, each row renormalised in float64 to sum to 1
+    vocab_size: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_ids.shape[0]
+
+    def to_dense(self) -> torch.Tensor:
+        """The same q as a float32 ``[k, vocab]`` tensor (what the draft samples from)."""
+        dense = torch.zeros(
+            self.num_rows, self.vocab_size, dtype=torch.float32, device=self.values.device
+        )
+        return dense.scatter_(-1, self.token_ids, self.values)
+
+
+def decode_sparse_draft_probs(encoded: EncodedDraftProbs) -> SparseDraftProbs:
+    """A ``top<M>`` wire form -> its q, sparse; each row renormalised by its values' sum."""
+    if encoded.token_ids is None:
+        raise ValueError(f"encoding {encoded.encoding!r} is dense, not top<M>")
+    values = encoded.values.to_tensor().double()  # [k, M]
+    normalised = (values / values.sum(dim=-1, keepdim=True)).to(torch.float32)
+    return SparseDraftProbs(encoded.token_ids.to_tensor().long(), normalised, encoded.vocab_size)
+
+
 def decode_draft_probs(encoded: EncodedDraftProbs) -> torch.Tensor:
     """Wire form -> float32 ``[k, vocab]``, each row renormalised to sum to 1."""
-    values = encoded.values.to_tensor().double()
     if encoded.token_ids is not None:
-        token_ids = encoded.token_ids.to_tensor().long()
-        dense = torch.zeros(values.shape[0], encoded.vocab_size, dtype=torch.float64)
-        dense.scatter_(-1, token_ids, values)
-    else:
-        dense = values
+        return decode_sparse_draft_probs(encoded).to_dense()
+    dense = encoded.values.to_tensor().double()  # [k, vocab]
     return (dense / dense.sum(dim=-1, keepdim=True)).to(torch.float32)
 
 

@@ -15,6 +15,7 @@ Order of operations (each step a no-op when its parameter is at the default):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,8 +24,49 @@ from specray.sampling.params import SamplingParams
 NEG_INF = float("-inf")
 
 
+def additive_entries(
+    params: SamplingParams, vocab_size: int
+) -> tuple[float, dict[int, float]] | None:
+    """Step 1 as ``(fill, entries)``: the additive term is ``fill`` on every token except
+    ``entries`` (token id -> value); None when it is zero everywhere (the step is skipped).
+
+    Logit bias, then -inf outside the allowed set and on banned ids. Example: vocab 4,
+    ``allowed_token_ids=(1, 2)``, ``banned_token_ids=(2,)``, ``logit_bias={1: 0.5, 3: 9}``
+    -> ``(-inf, {1: 0.5})``, the dense term ``[-inf, 0.5, -inf, -inf]``.
+    """
+    banned = set(params.banned_token_ids or ())
+    allowed = params.allowed_token_ids
+    if allowed is not None and len(allowed) < vocab_size:  # ids are unique and in range
+        fill = NEG_INF
+        entries = {t: params.logit_bias.get(t, 0.0) for t in allowed if t not in banned}
+    else:
+        fill = 0.0
+        entries = dict(params.logit_bias)
+        entries.update(dict.fromkeys(banned, NEG_INF))
+    if fill == 0.0 and not any(entries.values()):
+        return None
+    return fill, entries
+
+
+@dataclass(frozen=True)
+class _DeviceParts:
+    """A request's static tensors on one device (built there on first use)."""
+
+    additive: torch.Tensor | None  # [vocab] float32, step 1's term; None: skipped
+    in_prompt: torch.Tensor | None  # [vocab] bool, prompt tokens (repetition penalty only)
+    # 0-dim float32 divisors on the device: CUDA turns a division by a Python number into a
+    # multiplication by its reciprocal (not always the same float), the batched pass divides
+    # by a tensor; dividing by a tensor here keeps the two bit-identical on every device.
+    temperature: torch.Tensor  # []
+    repetition_penalty: torch.Tensor  # []
+
+
 class LogitsPipeline:
-    """Per-request logits processing; holds the parts that do not change during a request."""
+    """Per-request logits processing; holds the parts that do not change during a request.
+
+    The reference for :class:`specray.sampling.batch_pipeline.BatchLogitsPipeline`, which
+    gives bit-identical results for many requests in one pass.
+    """
 
     def __init__(
         self, params: SamplingParams, vocab_size: int, prompt_token_ids: Sequence[int] = ()
@@ -37,41 +79,60 @@ class LogitsPipeline:
             )
         self.params = params
         self.vocab_size = vocab_size
-        # Static additive term: logit bias plus -inf outside the allowed set / on banned ids.
-        additive = torch.zeros(vocab_size, dtype=torch.float32)  # [vocab]
-        for token_id, bias in params.logit_bias.items():
-            additive[token_id] = bias
-        if params.allowed_token_ids is not None:
-            allowed = torch.zeros(vocab_size, dtype=torch.bool)
-            allowed[list(params.allowed_token_ids)] = True
-            additive[~allowed] = NEG_INF
-        if params.banned_token_ids:
-            additive[list(params.banned_token_ids)] = NEG_INF
-        self._additive = additive if additive.any() else None
-        self._in_prompt = None  # [vocab] bool, tokens of the prompt (repetition penalty only)
-        if params.repetition_penalty != 1.0:
-            self._in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
-            if prompt_token_ids:
-                self._in_prompt[torch.as_tensor(list(prompt_token_ids))] = True
-        self._uses_output_history = (
+        self.additive = additive_entries(params, vocab_size)  # (fill, {id: value}) or None
+        # Tokens of the prompt, for the repetition penalty only (sorted, unique).
+        self.prompt_token_set: tuple[int, ...] = (
+            tuple(sorted(set(prompt_token_ids))) if params.repetition_penalty != 1.0 else ()
+        )
+        self.uses_output_history = (
             params.repetition_penalty != 1.0
             or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0
         )
+        self._device_parts: dict[torch.device, _DeviceParts] = {}
+
+    def device_parts(self, device: torch.device) -> _DeviceParts:
+        """The static tensors on ``device``, built there once."""
+        parts = self._device_parts.get(device)
+        if parts is not None:
+            return parts
+        params, additive, in_prompt = self.params, None, None
+        if self.additive is not None:
+            fill, entries = self.additive
+            additive = torch.full((self.vocab_size,), fill, device=device)
+            ids = torch.tensor(list(entries), dtype=torch.int64, device=device)
+            values = torch.tensor(list(entries.values()), dtype=torch.float32, device=device)
+            additive[ids] = values
+        if params.repetition_penalty != 1.0:
+            in_prompt = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
+            prompt = torch.tensor(self.prompt_token_set, dtype=torch.int64, device=device)
+            in_prompt[prompt] = True
+        parts = _DeviceParts(
+            additive,
+            in_prompt,
+            torch.tensor(params.temperature, dtype=torch.float32, device=device),
+            torch.tensor(params.repetition_penalty, dtype=torch.float32, device=device),
+        )
+        self._device_parts[device] = parts
+        return parts
 
     def _output_counts(
-        self, num_rows: int, output_token_ids: Sequence[int], candidate_token_ids: Sequence[int]
+        self,
+        num_rows: int,
+        output_token_ids: Sequence[int],
+        candidate_token_ids: Sequence[int],
+        device: torch.device,
     ) -> torch.Tensor:
         """Occurrences of each token in the output history of each row, ``[rows, vocab]``.
 
         Row j counts the committed output plus ``candidate_token_ids[:j]``.
         """
-        base = torch.zeros(self.vocab_size, dtype=torch.float32)
+        base = torch.zeros(self.vocab_size, dtype=torch.float32, device=device)
         if output_token_ids:
             base.index_add_(
                 0,
-                torch.as_tensor(list(output_token_ids)),
-                torch.ones(len(output_token_ids)),
+                torch.tensor(list(output_token_ids), dtype=torch.int64, device=device),
+                torch.ones(len(output_token_ids), device=device),
             )
         counts = base.repeat(num_rows, 1)  # [rows, vocab]
         for row in range(1, num_rows):
@@ -92,17 +153,19 @@ class LogitsPipeline:
                 f"got {len(candidate_token_ids)}"
             )
         out = logits.to(torch.float32)
-        if self._additive is not None:
-            out = out + self._additive
-        if not self._uses_output_history:
+        parts = self.device_parts(out.device)
+        if parts.additive is not None:
+            out = out + parts.additive
+        if not self.uses_output_history:
             return out
         params = self.params
-        counts = self._output_counts(rows, output_token_ids, candidate_token_ids)  # [rows, vocab]
+        counts = self._output_counts(
+            rows, output_token_ids, candidate_token_ids, out.device
+        )  # [rows, vocab]
         if params.repetition_penalty != 1.0:
-            seen = (counts > 0) | self._in_prompt  # [rows, vocab]
-            penalised = torch.where(
-                out > 0, out / params.repetition_penalty, out * params.repetition_penalty
-            )
+            seen = (counts > 0) | parts.in_prompt  # [rows, vocab]
+            penalty = parts.repetition_penalty
+            penalised = torch.where(out > 0, out / penalty, out * penalty)
             out = torch.where(seen, penalised, out)
         if params.frequency_penalty != 0.0:
             out = out - params.frequency_penalty * counts
@@ -137,7 +200,7 @@ class LogitsPipeline:
             one_hot = torch.zeros_like(out)
             return one_hot.scatter_(-1, out.argmax(dim=-1, keepdim=True), 1.0)
         if params.temperature != 1.0:
-            out = out / params.temperature
+            out = out / self.device_parts(out.device).temperature
         if params.min_p > 0.0:
             probs = torch.softmax(out, dim=-1)
             threshold = params.min_p * probs.max(dim=-1, keepdim=True).values  # [rows, 1]

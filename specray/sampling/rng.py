@@ -24,6 +24,18 @@ import torch
 _MASK64 = (1 << 64) - 1
 
 
+def _as_int64(value: int) -> int:
+    """``value`` mod 2^64 as a two's complement int64 (how a uint64 key travels in a tensor)."""
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+# splitmix64's constants as int64: tensor arithmetic wraps mod 2^64 like the unsigned original.
+_GOLDEN_INT64 = _as_int64(0x9E3779B97F4A7C15)
+_MIX1_INT64 = _as_int64(0xBF58476D1CE4E5B9)
+_MIX2_INT64 = _as_int64(0x94D049BB133111EB)
+
+
 class Purpose(enum.IntEnum):
     """What a draw decides. Distinct purposes at one position are independent."""
 
@@ -41,9 +53,53 @@ def _splitmix64(z: int) -> int:
 
 
 def keyed_uniform(seed: int, position: int, purpose: Purpose) -> float:
-    """One uniform draw in the open interval (0, 1), a pure function of its key."""
+    """One uniform draw in the open interval (0, 1), a pure function of its key.
+
+    The reference definition: :func:`keyed_uniforms` is the same function on tensors.
+    """
     bits = _splitmix64(_splitmix64(_splitmix64(seed) ^ position) ^ int(purpose))
     return ((bits >> 12) + 0.5) * 2.0**-52  # in [2^-53, 1 - 2^-53]: never 0 or 1
+
+
+def _shift_right(bits: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical (unsigned) right shift of int64 bits: ``>>`` is arithmetic, so mask the copies
+    of the sign bit it shifts in."""
+    return (bits >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def _splitmix64_tensor(bits: torch.Tensor) -> torch.Tensor:
+    """:func:`_splitmix64` elementwise on int64 (the uint64 bit patterns, two's complement)."""
+    bits = bits + _GOLDEN_INT64
+    bits = (bits ^ _shift_right(bits, 30)) * _MIX1_INT64
+    bits = (bits ^ _shift_right(bits, 27)) * _MIX2_INT64
+    return bits ^ _shift_right(bits, 31)
+
+
+def seed_tensor(seeds: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """Request seeds as int64 ``[len(seeds)]`` (seed mod 2^64, the bits splitmix64 sees)."""
+    return torch.tensor([_as_int64(seed) for seed in seeds], dtype=torch.int64, device=device)
+
+
+def keyed_uniforms(
+    seeds: torch.Tensor,  # [batch] int64, from seed_tensor
+    positions: torch.Tensor,  # [batch, n] int64, non-negative output positions
+    purpose: Purpose,
+    *,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """:func:`keyed_uniform` for every (seed, position) pair, float64 ``[batch, n]`` on
+    ``device`` (default: the device of ``positions``); bit-identical to the scalar definition.
+
+    Worked example: ``keyed_uniforms(seed_tensor([7]), torch.tensor([[0, 1]]), Purpose.ACCEPT)``
+    equals ``[[keyed_uniform(7, 0, ACCEPT), keyed_uniform(7, 1, ACCEPT)]]`` bit for bit.
+    """
+    device = positions.device if device is None else device
+    seeds = seeds.to(device=device, dtype=torch.int64)
+    positions = positions.to(device=device, dtype=torch.int64)
+    keyed = _splitmix64_tensor(_splitmix64_tensor(seeds)[:, None] ^ positions)  # [batch, n]
+    bits = _splitmix64_tensor(keyed ^ int(purpose))
+    # (bits >> 12) < 2^52 and + 0.5 are exact in float64, as in the scalar definition
+    return (_shift_right(bits, 12).to(torch.float64) + 0.5) * 2.0**-52
 
 
 def random_seed() -> int:
@@ -57,10 +113,15 @@ class KeyedRandom:
     def __init__(self, seed: int):
         self.seed = seed
 
-    def uniforms(self, positions: Sequence[int], purpose: Purpose) -> torch.Tensor:
+    def uniforms(
+        self,
+        positions: Sequence[int],
+        purpose: Purpose,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
         """Uniforms for the given output positions, float64 ``[len(positions)]``."""
-        values = [keyed_uniform(self.seed, position, purpose) for position in positions]
-        return torch.tensor(values, dtype=torch.float64)
+        position_ids = torch.tensor([list(positions)], dtype=torch.int64, device=device)  # [1, n]
+        return keyed_uniforms(seed_tensor([self.seed], device), position_ids, purpose)[0]
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -76,12 +137,45 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     # A NaN / inf / all-zero row has no distribution: fail loudly rather than silently pick
     # the last token (which may be banned or outside allowed_token_ids).
     if not bool(torch.isfinite(total).all()) or bool((total <= 0).any()):
-        raise ValueError(
-            "sample_from_probs needs finite, non-negative rows with positive mass; got row "
-            f"sums {total.squeeze(-1).tolist()}"
-        )
-    targets = uniforms.to(torch.float64).reshape(-1, 1) * total  # [n, 1]
-    token_ids = torch.searchsorted(cdf, targets, right=True).squeeze(-1)  # [n]
+        raise _no_distribution(total)
+    token_ids = _inverse_cdf(cdf, uniforms)  # [n]
     # u * total can round up to total: fall back to the last token with positive mass.
-    last_positive = (probs.shape[-1] - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
-    return torch.minimum(token_ids, last_positive)
+    return torch.minimum(token_ids, _last_positive(probs))
+
+
+def sample_from_cdf(cdf: torch.Tensor, uniforms: torch.Tensor, probs: torch.Tensor):
+    """:func:`sample_from_probs` given ``cdf = probs.double().cumsum(-1)``, with one host
+    synchronisation: the checks and the rare round-up case read one combined flag.
+
+    cdf, probs: ``[n, vocab]``; uniforms: ``[n]``. Returns int64 ``[n]``, the same ids.
+    """
+    total = cdf[:, -1:]  # [n, 1]
+    token_ids = _inverse_cdf(cdf, uniforms)  # [n]
+    # A token id below vocab has cdf[id] > cdf[id - 1], so probs[id] > 0 and the clamp to the
+    # last positive token is a no-op: only ids that ran past the row (u * total rounded up
+    # to total) need it.
+    invalid = (~torch.isfinite(total) | (total <= 0)).any()
+    flags = invalid.to(torch.int64) * 2 + (token_ids >= cdf.shape[-1]).any().to(torch.int64)
+    flag = int(flags)  # the host synchronisation
+    if flag & 2:
+        raise _no_distribution(total)
+    if flag & 1:
+        token_ids = torch.minimum(token_ids, _last_positive(probs))
+    return token_ids
+
+
+def _inverse_cdf(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    targets = uniforms.to(torch.float64).reshape(-1, 1) * cdf[:, -1:]  # [n, 1]
+    return torch.searchsorted(cdf, targets, right=True).squeeze(-1)  # [n]
+
+
+def _last_positive(probs: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest id with positive mass: ``[n, vocab] -> [n]``."""
+    return (probs.shape[-1] - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+
+
+def _no_distribution(total: torch.Tensor) -> ValueError:
+    return ValueError(
+        "sample_from_probs needs finite, non-negative rows with positive mass; got row "
+        f"sums {total.squeeze(-1).tolist()}"
+    )

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specray.sampling.rng import KeyedRandom, Purpose, sample_from_probs
+from specray.sampling.rng import KeyedRandom, Purpose, keyed_uniforms, sample_from_probs
 
 MAX_SPEC_LEN = 32  # the most draft tokens one round may verify
 PLACEHOLDER_TOKEN_ID = -1  # pads token rows past each request's committed tokens
@@ -62,6 +62,28 @@ class VerifyUniforms:
             draws = torch.rand(2 * k + 1, generator=rng, dtype=torch.float64)
             accept, residual, bonus = draws[:k], draws[k : 2 * k], draws[2 * k :]
         return VerifyUniforms(accept[None], residual[None], bonus)
+
+    @staticmethod
+    def draw_round(
+        seeds: torch.Tensor,  # [batch] int64, from rng.seed_tensor
+        first_positions: torch.Tensor,  # [batch] int64, output position of draft token 0
+        num_draft_tokens: torch.Tensor,  # [batch] int64
+        k: int,
+        device: torch.device | str | None = None,
+    ) -> VerifyUniforms:
+        """A whole round's uniforms, all requests at once (one draw per purpose), keyed as
+        :meth:`draw` keys them: accept and residual at ``first + j``, bonus at
+        ``first + num_draft``. Entries past a request's draft tokens are drawn, never read."""
+        device = first_positions.device if device is None else device
+        first_positions = first_positions.to(device)
+        offsets = torch.arange(k, dtype=torch.int64, device=device)  # [k]
+        positions = first_positions[:, None] + offsets  # [batch, k]
+        bonus_positions = (first_positions + num_draft_tokens.to(device))[:, None]  # [batch, 1]
+        return VerifyUniforms(
+            keyed_uniforms(seeds, positions, Purpose.ACCEPT, device=device),
+            keyed_uniforms(seeds, positions, Purpose.RESIDUAL, device=device),
+            keyed_uniforms(seeds, bonus_positions, Purpose.BONUS, device=device)[:, 0],
+        )
 
 
 @dataclass(frozen=True)
@@ -121,9 +143,10 @@ def _normalise(probs: torch.Tensor) -> torch.Tensor:
 def _first_rejection(accepted: torch.Tensor, num_draft_tokens: torch.Tensor) -> torch.Tensor:
     """Index of the first False per row, capped at num_draft_tokens: ``[batch, k] -> [batch]``."""
     batch, k = accepted.shape
+    device = accepted.device
     if k == 0:
-        return torch.zeros(batch, dtype=torch.int64)
-    valid = torch.arange(k)[None, :] < num_draft_tokens[:, None]
+        return torch.zeros(batch, dtype=torch.int64, device=device)
+    valid = torch.arange(k, device=device)[None, :] < num_draft_tokens[:, None]
     rejected = (~accepted) | (~valid)  # positions past the block count as a stop
     first = torch.where(rejected.any(dim=1), rejected.to(torch.int8).argmax(dim=1), k)
     return torch.minimum(first, num_draft_tokens)
@@ -131,10 +154,11 @@ def _first_rejection(accepted: torch.Tensor, num_draft_tokens: torch.Tensor) -> 
 
 def _assemble(draft_token_ids, num_accepted, final_token) -> BatchVerifyResult:
     batch, k = draft_token_ids.shape
-    columns = torch.arange(k + 1)[None, :]  # [1, k+1]
+    device = draft_token_ids.device
+    columns = torch.arange(k + 1, device=device)[None, :]  # [1, k+1]
     padded = torch.cat([draft_token_ids, draft_token_ids.new_zeros(batch, 1)], dim=1)
     token_ids = torch.where(columns < num_accepted[:, None], padded, PLACEHOLDER_TOKEN_ID)
-    token_ids[torch.arange(batch), num_accepted] = final_token
+    token_ids[torch.arange(batch, device=device), num_accepted] = final_token
     return BatchVerifyResult(token_ids, num_accepted)
 
 
@@ -153,18 +177,24 @@ def verify_batch_greedy_ids(
     draft_token_ids: torch.Tensor,  # [batch, k] int64
     num_draft_tokens: torch.Tensor,  # [batch] int64, draft tokens valid per row (<= k)
     target_argmax: torch.Tensor,  # [batch, k + 1] int64, the target's greedy token per position
+    *,
+    validate: bool = True,
 ) -> BatchVerifyResult:
     """The greedy rule from the target's argmax ids alone: the fast path, with no
-    vocabulary-sized tensor (only the argmax of each row decides a greedy round)."""
+    vocabulary-sized tensor (only the argmax of each row decides a greedy round).
+    ``validate=False`` trusts ``num_draft_tokens`` (built by the caller from the blocks it
+    holds): no host synchronisation."""
     batch, k = draft_token_ids.shape
     if tuple(target_argmax.shape) != (batch, k + 1):
         raise ValueError(
             f"target_argmax must have shape {(batch, k + 1)}, got {tuple(target_argmax.shape)}"
         )
-    _check_num_draft(num_draft_tokens, batch, k)
+    if validate:
+        _check_num_draft(num_draft_tokens, batch, k)
     accepted = draft_token_ids == target_argmax[:, :-1]
     num_accepted = _first_rejection(accepted, num_draft_tokens)  # [batch]
-    final_token = target_argmax[torch.arange(len(num_accepted)), num_accepted]
+    rows = torch.arange(len(num_accepted), device=num_accepted.device)
+    final_token = target_argmax[rows, num_accepted]
     return _assemble(draft_token_ids, num_accepted, final_token)
 
 
@@ -191,8 +221,8 @@ def verify_batch(
     # float32 rows sum to 1 +- 1e-7; renormalise in float64 so p and q are exact distributions.
     target_probs = _normalise(target_probs)  # [batch, k+1, vocab] float64
     draft_probs = _normalise(draft_probs)  # [batch, k, vocab] float64
-    rows = torch.arange(batch)
-    valid = torch.arange(k)[None, :] < num_draft_tokens[:, None]  # [batch, k]
+    rows = torch.arange(batch, device=draft_token_ids.device)
+    valid = torch.arange(k, device=draft_token_ids.device)[None, :] < num_draft_tokens[:, None]
     vocab = target_probs.shape[-1]
     safe_ids = draft_token_ids.clamp(0, vocab - 1)[..., None]  # [batch, k, 1], padding is unused
     target_at_draft = target_probs[:, :k].gather(-1, safe_ids).squeeze(-1)  # [batch, k]

@@ -41,6 +41,7 @@ from specray.sampling import (
     quantize_draft_probs,
     stack_rows,
 )
+from specray.sampling.encoding import SparseDraftProbs
 from specray.v1 import speculation_pb2 as pb
 from tests.fuzz.budget import fuzz_settings
 
@@ -112,7 +113,7 @@ def test_every_q_encoding_round_trips_through_the_wire(tally, case, step, commit
     message = block_to_pb("req", step, committed, token_ids, stack_rows(rows))
     received = pb.DraftBlock.FromString(message.SerializeToString())
     checked = check_block(received, vocab)
-    assert torch.equal(checked.draft_probs, sampled_from), "bit-identical q on both ends"
+    assert torch.equal(_dense(checked.draft_probs), sampled_from), "bit-identical q on both ends"
     assert (checked.request_id, checked.step, checked.num_committed) == ("req", step, committed)
     assert checked.token_ids == token_ids
     _assert_valid_block(checked, vocab)
@@ -130,10 +131,22 @@ def test_every_q_encoding_round_trips_through_the_wire(tally, case, step, commit
 
 
 # ---- hostile messages ------------------------------------------------------------------------
+def _dense(draft_probs) -> torch.Tensor:
+    """A checked block's q as ``[k, vocab]`` (a top<M> block arrives sparse: distinct ids in
+    range, float32 values)."""
+    if not isinstance(draft_probs, SparseDraftProbs):
+        return draft_probs
+    ids = draft_probs.token_ids  # [k, M]
+    assert ids.dtype == torch.int64 and draft_probs.values.shape == ids.shape
+    assert bool(((ids >= 0) & (ids < draft_probs.vocab_size)).all())
+    assert all(len(set(row)) == len(row) for row in ids.tolist())
+    return draft_probs.to_dense()
+
+
 def _assert_valid_block(block: CheckedBlock, vocab: int) -> None:
     k = len(block.token_ids)
     assert 0 <= k <= MAX_SPEC_LEN and block.request_id
-    probs = block.draft_probs
+    probs = _dense(block.draft_probs)
     assert probs.shape == (k, vocab) and probs.dtype == torch.float32
     assert bool(torch.isfinite(probs).all()) and bool((probs >= 0).all())
     if k:

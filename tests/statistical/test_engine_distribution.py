@@ -45,6 +45,7 @@ from specray.sampling import (
     VerifyUniforms,
     sample_from_probs,
 )
+from specray.sampling.encoding import SparseDraftProbs
 from tests.helpers.tiny_models import exact_sequence_probs, perturbed_copy, tiny_llama
 
 VOCAB_SIZE = 5
@@ -295,11 +296,29 @@ WRONG_RULES: dict[str, Callable[..., BatchVerifyResult]] = {
 }
 
 
+def _as_core_rule(rule: Callable[..., BatchVerifyResult]) -> Callable[..., BatchVerifyResult]:
+    """``rule`` called as the core calls verify_blocks: per-request q (dense or sparse) and
+    target rows, padded here into the dense batch tensors the wrong rules take."""
+
+    def run(draft_token_ids, num_draft_tokens, draft_probs, target_probs, uniforms, **_):
+        batch, k = draft_token_ids.shape
+        vocab = target_probs[0].shape[-1]
+        padded_target = torch.zeros(batch, k + 1, vocab)  # [batch, k+1, vocab]
+        padded_draft = torch.zeros(batch, k, vocab)  # [batch, k, vocab]
+        for b, (block, rows) in enumerate(zip(draft_probs, target_probs, strict=True)):
+            n = rows.shape[0] - 1
+            padded_target[b, : n + 1] = rows
+            padded_draft[b, :n] = block.to_dense() if isinstance(block, SparseDraftProbs) else block
+        return rule(draft_token_ids, num_draft_tokens, padded_draft, padded_target, uniforms)
+
+    return run
+
+
 @pytest.mark.parametrize("rule", list(WRONG_RULES))
 def test_negative_control_wrong_rule_is_rejected(rule, target, draft, monkeypatch, record_property):
     """The harness above (N = 2000, seeds 0..1999, ALPHA = 0.001) with a wrong verification
     rule patched into the engine must reject: p < ALPHA."""
-    monkeypatch.setattr(specray.core, "verify_batch", WRONG_RULES[rule])
+    monkeypatch.setattr(specray.core, "verify_blocks", _as_core_rule(WRONG_RULES[rule]))
     _, fit = run_case(Case(rule), target, draft)
     record_property("fit", fit.describe())
     assert fit.p_value < ALPHA, (

@@ -58,7 +58,7 @@ def test_weights_default_to_bf16_on_cuda_and_fp32_on_the_cpu():
     assert default_dtype(torch.device("cpu")) == "float32"
     assert default_dtype(torch.device("cuda", 0)) == "bfloat16"
     assert default_dtype(torch.device("cuda", 0), "float16") == "float16"
-    with pytest.raises(DeviceError, match="dtype must be one of .*got 'fp8'"):
+    with pytest.raises(DeviceError, match=r"dtype must be one of .*got 'fp8'"):
         default_dtype(torch.device("cpu"), "fp8")
 
 
@@ -72,17 +72,17 @@ def test_a_ray_worker_takes_the_gpu_ray_gave_it_or_refuses_cuda_without_one():
 
 
 def test_the_engine_refuses_an_unavailable_or_misspelt_device_before_loading():
-    with pytest.raises(EngineInputError, match="device must be one of .*got 'gpu'"):
+    with pytest.raises(EngineInputError, match=r"device must be one of .*got 'gpu'"):
         Engine("default", draft=None, device="gpu")
-    with pytest.raises(EngineInputError, match="dtype must be one of .*got 'fp8'"):
+    with pytest.raises(EngineInputError, match=r"dtype must be one of .*got 'fp8'"):
         Engine("default", draft=None, dtype="fp8")
     if not CUDA:
-        with pytest.raises(EngineInputError, match="device='cuda'.*CUDA is not available"):
+        with pytest.raises(EngineInputError, match=r"device=.cuda.*CUDA is not available"):
             Engine("default", draft=None, device="cuda")
 
 
 def test_app_args_and_placement_check_the_device():
-    with pytest.raises(ValidationError, match="device must be one of .*got 'tpu'"):
+    with pytest.raises(ValidationError, match=r"device must be one of .*got 'tpu'"):
         AppArgs(device="tpu")
     with pytest.raises(ValidationError, match="target_num_gpus and draft_num_gpus must be > 0"):
         AppArgs(device="cuda")

@@ -14,9 +14,18 @@ from specray.sampling import (
     encode_draft_probs,
     stack_rows,
 )
+from specray.sampling.encoding import SparseDraftProbs
 from specray.v1 import speculation_pb2 as pb
 
 VOCAB = 50
+
+
+def _dense(draft_probs) -> torch.Tensor:
+    """A checked block's q as ``[k, vocab]``; a top<M> block must have stayed sparse."""
+    if isinstance(draft_probs, SparseDraftProbs):
+        assert draft_probs.values.shape[-1] < VOCAB, "sparse q kept as [k, M]"
+        return draft_probs.to_dense()
+    return draft_probs
 
 
 def _honest_block(encoding: str, k: int = 3, seed: int = 0):
@@ -37,7 +46,8 @@ def _honest_block(encoding: str, k: int = 3, seed: int = 0):
 def test_honest_block_decodes_to_the_exact_q_sent(encoding):
     message, q = _honest_block(encoding)
     checked = check_block(pb.DraftBlock.FromString(message.SerializeToString()), VOCAB)
-    assert torch.equal(checked.draft_probs, q), "bit-identical q on both ends"
+    assert isinstance(checked.draft_probs, SparseDraftProbs) == encoding.startswith("top")
+    assert torch.equal(_dense(checked.draft_probs), q), "bit-identical q on both ends"
     assert (checked.request_id, checked.step, checked.num_committed) == ("req-1", 4, 7)
 
 
@@ -61,7 +71,7 @@ def test_block_mixing_point_masses_and_model_rows_decodes_exactly(encoding):
     q = torch.cat(decoded)  # [4, vocab]
     message = block_to_pb("req-1", 4, 7, q.argmax(dim=-1).tolist(), stack_rows(rows))
     checked = check_block(pb.DraftBlock.FromString(message.SerializeToString()), VOCAB)
-    assert torch.equal(checked.draft_probs, q), "bit-identical q on both ends"
+    assert torch.equal(_dense(checked.draft_probs), q), "bit-identical q on both ends"
     assert message.draft_probs.encoding == encoding
 
 

@@ -1,0 +1,583 @@
+"""The logits pipeline for every request of a forward in one pass (docs/design.md 1.1).
+
+:class:`~specray.sampling.pipeline.LogitsPipeline` is the reference: one request at a time,
+about a dozen kernels each. :class:`BatchLogitsPipeline` runs the same steps, in the same
+order, once over the flat logits ``[R, vocab]`` of a round (request i owns ``n_i + 1``
+consecutive rows) and gives bit-identical results: each step is the reference's elementwise
+arithmetic with per-row parameters (``[rows, 1]`` tensors) in place of Python numbers, and
+every reduction (argmax, softmax, top-k, sort, cumsum) runs along one row, as in the reference.
+What that takes:
+  - divisions by a tensor on both sides (CUDA divides by a Python number as a multiplication
+    by its reciprocal, which is not always the same float);
+  - top-k with different k per row: one ``torch.topk`` with the largest k, then each row's
+    k-th value (the same number whichever k was asked for);
+  - top-p: the reference's full sort of each row (sorting only the top-k survivors would sum
+    the softmax in another order, and ties at the k-th value can keep more than k);
+  - the bias / mask term added to every entry of a row that has one, as the reference does
+    (``-0.0 + 0.0`` is ``0.0``; a sparse add would keep ``-0.0``, and a GPU's radix sort
+    orders the two zeros).
+
+What a request set needs is worked out on the host, where the parameters are known, into one
+:class:`SamplingMetadata` per forward (vLLM's "sampling metadata"): per-row parameter tensors,
+sparse index lists for the static parts (logit bias, allowed / banned ids, prompt tokens) and
+for the output history, and the rows each step touches. A step no request uses is skipped: no
+kernel and no host sync to find that out. The pass itself never reads a tensor on the host.
+
+Worked example: requests A (greedy, 2 rows) and B (temperature 0.5, top_k 2, 1 row) over the
+flat logits ``[[1, 3, 2], [0, 0, 5], [4, 1, 2]]`` -> A: argmax ids ``[1, 2]``; B: rows
+``[8, 2, 4]`` after temperature, ``[8, -inf, 4]`` after top-k, softmax
+``[[0.982, 0, 0.018]]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, is_dataclass, replace
+
+import torch
+
+from specray.sampling.pipeline import NEG_INF, LogitsPipeline
+
+TOPK_CHUNK = 64  # columns per chunk in top_values (a fast amax on a CPU)
+
+
+@dataclass(frozen=True)
+class RowValues:
+    """A per-row parameter of one step."""
+
+    rows: torch.Tensor | None  # [n] int64, the rows the step runs on; None: every row
+    values: torch.Tensor  # [n, 1] float32
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Step 6 (top-k, ties at the k-th value kept)."""
+
+    rows: torch.Tensor | None  # [n] int64; None: every sampled row
+    kth_index: torch.Tensor | None  # [n, 1] int64, k - 1 per row; None: one k for every row
+    largest_k: int  # the largest k of these rows (one torch.topk for all of them)
+
+
+@dataclass(frozen=True)
+class Additive:
+    """Step 1, logit bias and masks: per request a fill value with sparse exceptions
+    (:func:`specray.sampling.pipeline.additive_entries`); the dense term is built on the device
+    for these requests' rows only."""
+
+    rows: torch.Tensor | None  # [Ra] int64 rows of the round; None: every row
+    row_slot: torch.Tensor  # [Ra] int64, each row's request among these
+    fill: torch.Tensor  # [Na, 1] float32, 0 or -inf
+    entry_slot: torch.Tensor  # [E] int64
+    entry_ids: torch.Tensor  # [E] int64
+    entry_values: torch.Tensor  # [E] float32
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Step 2 for the requests with a penalty; a neutral value (repetition 1, presence or
+    frequency 0) leaves a row exactly as it is."""
+
+    rows: torch.Tensor | None  # [Rp] int64 rows of the round; None: every row
+    row_slot: torch.Tensor  # [Rp] int64, each row's request among these (Np of them)
+    num_requests: int  # Np
+    history_slot: torch.Tensor  # [H] int64, committed output tokens: whose ...
+    history_ids: torch.Tensor  # [H] int64 ... and which
+    # (row, token) pairs: a request's candidate t counts in its rows t + 1, t + 2, ...
+    candidate_row: torch.Tensor  # [C] int64, among these rows
+    candidate_ids: torch.Tensor  # [C] int64
+    prompt_slot: torch.Tensor | None  # [P] int64, prompt tokens (repetition penalty only)
+    prompt_ids: torch.Tensor | None  # [P] int64
+    repetition: torch.Tensor | None  # [Rp, 1] float32; None: 1 on every row
+    frequency: torch.Tensor | None  # [Rp, 1] float32; None: 0 on every row
+    presence: torch.Tensor | None  # [Rp, 1] float32; None: 0 on every row
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """One forward's request set, on the logits' device. Steps 1-2 index rows of the round
+    (``[R, vocab]``); steps 4-8 index rows of the sampled requests (``[Rs, vocab]``, the
+    round's rows of sampled requests, in order). A step that is None runs no kernel."""
+
+    vocab_size: int
+    num_rows: tuple[int, ...]  # rows of each request (n_i + 1), in order
+    greedy: tuple[bool, ...]  # per request
+    # None: every row (or, for a kind of request the set lacks, unused)
+    greedy_rows: torch.Tensor | None  # [Rg] int64 rows of greedy requests
+    sampled_rows: torch.Tensor | None  # [Rs] int64 rows of sampled requests
+    additive: Additive | None
+    penalties: Penalties | None
+    temperature: torch.Tensor | None  # [Rs, 1] float32; None: 1 on every sampled row
+    min_p: RowValues | None
+    top_k: TopK | None
+    top_p: RowValues | None
+
+    @staticmethod
+    def build(
+        pipelines: Sequence[LogitsPipeline],
+        num_rows: Sequence[int],
+        output_token_ids: Sequence[Sequence[int]],
+        candidate_token_ids: Sequence[Sequence[int]],
+        device: torch.device | str,
+    ) -> SamplingMetadata:
+        """Row j of request i sees the history ``output_token_ids[i]`` plus
+        ``candidate_token_ids[i][:j]`` (and its prompt), as in :class:`LogitsPipeline`."""
+        _check(pipelines, num_rows, output_token_ids, candidate_token_ids)
+        staged = _Staging()
+        rows = _Rows(staged, num_rows)
+        greedy = tuple(pipeline.params.greedy for pipeline in pipelines)
+        picked = [i for i, is_greedy in enumerate(greedy) if is_greedy]
+        sampled = [i for i, is_greedy in enumerate(greedy) if not is_greedy]
+        vocab_size = pipelines[0].vocab_size if pipelines else 0
+        metadata = SamplingMetadata(
+            vocab_size=vocab_size,
+            num_rows=tuple(num_rows),
+            greedy=greedy,
+            greedy_rows=rows.of(picked) if picked else None,
+            sampled_rows=rows.of(sampled) if sampled else None,
+            additive=_stage_additive(rows, pipelines),
+            penalties=_stage_penalties(rows, pipelines, output_token_ids, candidate_token_ids),
+            **_stage_sampled_steps(rows, pipelines, sampled, vocab_size),
+        )
+        return _Staging.resolve(metadata, staged.upload(device))
+
+
+class BatchLogitsPipeline:
+    """Runs :class:`SamplingMetadata` over a forward's logits; holds a workspace reused from
+    forward to forward (on a CPU a fresh ``[80, 128256]`` float32 buffer costs ~18 ms of page
+    faults, most of a softmax's time there). Results never alias the workspace."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}  # name -> [rows, vocab]
+
+    def __call__(
+        self,
+        pipelines: Sequence[LogitsPipeline],
+        logits: Sequence[torch.Tensor],
+        output_token_ids: Sequence[Sequence[int]],
+        candidate_token_ids: Sequence[Sequence[int]],
+    ) -> list[torch.Tensor]:
+        """Per request, from its logits ``[n_i + 1, vocab]``: int64 argmax ids ``[n_i + 1]``
+        when greedy, else float32 probabilities ``[n_i + 1, vocab]`` (views of one tensor);
+        what :meth:`LogitsPipeline.greedy_token_ids` / :meth:`LogitsPipeline.probs` give."""
+        if not logits:
+            return []
+        metadata = SamplingMetadata.build(
+            pipelines,
+            [part.shape[0] for part in logits],
+            output_token_ids,
+            candidate_token_ids,
+            logits[0].device,
+        )
+        return self.run(metadata, logits)
+
+    def run(
+        self, metadata: SamplingMetadata, logits: torch.Tensor | Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """``logits``: the flat ``[R, vocab]``, or one ``[n_i + 1, vocab]`` per request (read
+        in place when they are consecutive rows of one tensor, as ModelRunner.forward gives
+        them; copied into the workspace otherwise)."""
+        parts = [logits] if isinstance(logits, torch.Tensor) else list(logits)
+        total, vocab_size = sum(metadata.num_rows), metadata.vocab_size
+        rows = sum(part.shape[0] for part in parts)
+        if rows != total or parts[0].shape[-1] != vocab_size:
+            raise ValueError(
+                f"the logits have {rows} rows of {parts[0].shape[-1]}, the metadata {total} "
+                f"of {vocab_size}"
+            )
+        out = _consecutive(parts)  # [R, vocab], only read
+        owned = out is None or out.dtype != torch.float32  # out is the workspace, ours to change
+        if owned:
+            out = self._buffer("logits", total, vocab_size, torch.float32, parts[0].device)
+            torch.cat(parts, out=out)
+        if metadata.additive is not None or metadata.penalties is not None:
+            out, owned = out if owned else self._copy(out), True
+            if metadata.additive is not None:
+                _add_additive(out, metadata.additive)
+            if metadata.penalties is not None:
+                _apply_penalties(out, metadata.penalties)
+        greedy_ids = sampled_probs = iter(())
+        if any(metadata.greedy):
+            picked = _select(out, metadata.greedy_rows)
+            sizes = [n for n, g in zip(metadata.num_rows, metadata.greedy, strict=True) if g]
+            greedy_ids = iter(picked.argmax(dim=-1).split(sizes))  # [Rg] int64
+        if not all(metadata.greedy):
+            sizes = [n for n, g in zip(metadata.num_rows, metadata.greedy, strict=True) if not g]
+            sampled_probs = iter(self._sampled_probs(out, owned, metadata).split(sizes))
+        return [next(greedy_ids) if greedy else next(sampled_probs) for greedy in metadata.greedy]
+
+    def _sampled_probs(
+        self, out: torch.Tensor, owned: bool, metadata: SamplingMetadata
+    ) -> torch.Tensor:
+        """Steps 4-8 on the sampled requests' rows: ``[Rs, vocab]`` probabilities. ``out`` may
+        be changed only when ``owned``."""
+        changes = (metadata.min_p, metadata.top_k, metadata.top_p) != (None, None, None)
+        temperature = metadata.temperature
+        if metadata.sampled_rows is not None:
+            logits = out.index_select(0, metadata.sampled_rows)  # [Rs, vocab], a copy
+            if temperature is not None:
+                logits.div_(temperature)
+        elif temperature is not None:  # the copy into the workspace divides on the way
+            target = out if owned else self._buffer("logits", *out.shape, out.dtype, out.device)
+            logits = torch.div(out, temperature, out=target)
+        else:
+            logits = self._copy(out) if changes and not owned else out
+        if metadata.min_p is not None:
+            _on_rows(logits, metadata.min_p.rows, _min_p_step(metadata.min_p.values))
+        if metadata.top_k is not None:
+            _on_rows(logits, metadata.top_k.rows, self._top_k_step(metadata.top_k))
+        if metadata.top_p is not None:
+            _on_rows(logits, metadata.top_p.rows, _top_p_step(metadata.top_p.values))
+        return torch.softmax(logits, dim=-1)
+
+    def _copy(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._buffer("logits", *logits.shape, torch.float32, logits.device).copy_(logits)
+
+    def _top_k_step(self, top_k: TopK) -> Callable[[torch.Tensor], None]:
+        def step(logits: torch.Tensor) -> None:  # [n, vocab]
+            # The k-th largest value of each row is the same number whichever k topk was
+            # asked for, so one topk with the largest k serves every row.
+            top = top_values(logits, top_k.largest_k)  # [n, largest_k]
+            kth = top[:, -1:] if top_k.kth_index is None else top.gather(1, top_k.kth_index)
+            below = self._buffer("mask", *logits.shape, torch.bool, logits.device)
+            torch.lt(logits, kth, out=below)  # ties at the k-th value are kept
+            _fill_neg_inf(logits, below)
+
+        return step
+
+    def _buffer(
+        self, name: str, rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The first ``rows`` rows of workspace buffer ``name``, ``[rows, vocab]``."""
+        buffer = self._buffers.get(name)
+        if (
+            buffer is None
+            or buffer.device != device
+            or buffer.shape[0] < rows
+            or buffer.shape[1] != vocab_size
+        ):
+            buffer = torch.empty(rows, vocab_size, dtype=dtype, device=device)
+            self._buffers[name] = buffer
+        return buffer[:rows]
+
+
+def top_values(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest values of each row, descending, ``[n, vocab] -> [n, k]``: exactly
+    ``torch.topk(logits, k).values``, in about half its time when k is small next to the vocab.
+
+    The row is cut into chunks of ``TOPK_CHUNK`` (and a shorter tail); one topk picks the k
+    chunks with the largest maxima, a second the k largest values among those chunks and the
+    tail. Why nothing is missed: were the j-th largest value v of the row (j <= k) in a chunk
+    not picked, whose maximum is >= v, each of the k picked chunks would have a maximum >= v:
+    k values >= v are among the candidates anyway. Only values are compared, no arithmetic.
+    """
+    rows, vocab_size = logits.shape
+    if k * TOPK_CHUNK * 4 > vocab_size:  # too few chunks to gain: one topk over the row
+        return torch.topk(logits, k, dim=-1).values
+    num_chunks = vocab_size // TOPK_CHUNK
+    head = logits[:, : num_chunks * TOPK_CHUNK].view(rows, num_chunks, TOPK_CHUNK)
+    picked = torch.topk(head.amax(dim=-1), k, dim=-1).indices  # [n, k] chunks
+    chunks = head.gather(1, picked[..., None].expand(rows, k, TOPK_CHUNK))  # [n, k, chunk]
+    tail = logits[:, num_chunks * TOPK_CHUNK :]  # [n, vocab % chunk]
+    candidates = torch.cat([chunks.view(rows, k * TOPK_CHUNK), tail], dim=1)
+    return torch.topk(candidates, k, dim=-1).values
+
+
+def _consecutive(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``parts`` as one ``[R, vocab]`` view when they are consecutive rows of one contiguous
+    tensor (the pieces of a split), else None."""
+    first = parts[0]
+    address, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+    if address == 0:  # no memory to compare (meta tensors)
+        return None
+    for part in parts:
+        if (
+            part.dtype != first.dtype
+            or part.device != first.device
+            or part.shape[1:] != first.shape[1:]
+            or not part.is_contiguous()
+            or part.data_ptr() != address
+            or part.untyped_storage().data_ptr() != storage
+        ):
+            return None
+        address += part.numel() * part.element_size()
+    rows, vocab_size = sum(part.shape[0] for part in parts), first.shape[1]
+    return first.as_strided((rows, vocab_size), (vocab_size, 1))
+
+
+def _fill_neg_inf(logits: torch.Tensor, mask: torch.Tensor) -> None:
+    """``logits.masked_fill_(mask, -inf)``, as one ``where`` (faster on a CPU)."""
+    torch.where(mask, torch.full((), NEG_INF, device=logits.device), logits, out=logits)
+
+
+def _select(tensor: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return tensor if rows is None else tensor.index_select(0, rows)
+
+
+def _on_rows(
+    tensor: torch.Tensor, rows: torch.Tensor | None, step: Callable[[torch.Tensor], None]
+) -> None:
+    """Apply an in-place ``step`` to ``rows`` of ``tensor`` (every row when None)."""
+    if rows is None:
+        step(tensor)
+        return
+    part = tensor.index_select(0, rows)
+    step(part)
+    tensor.index_copy_(0, rows, part)
+
+
+def _add_additive(out: torch.Tensor, additive: Additive) -> None:
+    vocab_size = out.shape[1]
+    term = additive.fill.expand(-1, vocab_size).contiguous()  # [Na, vocab]
+    term.index_put_((additive.entry_slot, additive.entry_ids), additive.entry_values)
+
+    def step(logits: torch.Tensor) -> None:  # [Ra, vocab]
+        logits.add_(term.index_select(0, additive.row_slot))
+
+    _on_rows(out, additive.rows, step)
+
+
+def _apply_penalties(out: torch.Tensor, penalties: Penalties) -> None:
+    vocab_size, device = out.shape[1], out.device
+    one = torch.ones((), device=device)
+    # Occurrences in each row's output history: the request's committed output, then the
+    # candidates before the row. Small integers, exact in float32 in any order of adding.
+    counts = torch.zeros(penalties.num_requests, vocab_size, device=device)  # [Np, vocab]
+    counts.index_put_((penalties.history_slot, penalties.history_ids), one, accumulate=True)
+    counts = counts.index_select(0, penalties.row_slot)  # [Rp, vocab]
+    counts.index_put_((penalties.candidate_row, penalties.candidate_ids), one, accumulate=True)
+
+    def step(logits: torch.Tensor) -> None:  # [Rp, vocab]
+        if penalties.repetition is not None:
+            in_prompt = torch.zeros(
+                penalties.num_requests, vocab_size, dtype=torch.bool, device=device
+            )
+            present = torch.ones((), dtype=torch.bool, device=device)
+            in_prompt.index_put_((penalties.prompt_slot, penalties.prompt_ids), present)
+            seen = (counts > 0) | in_prompt.index_select(0, penalties.row_slot)
+            penalty = penalties.repetition
+            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits.copy_(torch.where(seen, penalised, logits))
+        if penalties.frequency is not None:
+            logits.sub_(penalties.frequency * counts)
+        if penalties.presence is not None:
+            logits.sub_(penalties.presence * (counts > 0).to(torch.float32))
+
+    _on_rows(out, penalties.rows, step)
+
+
+def _min_p_step(min_p: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    def step(logits: torch.Tensor) -> None:  # [n, vocab]
+        probs = torch.softmax(logits, dim=-1)
+        threshold = min_p * probs.max(dim=-1, keepdim=True).values  # [n, 1]
+        _fill_neg_inf(logits, probs < threshold)
+
+    return step
+
+
+def _top_p_step(top_p: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    def step(logits: torch.Tensor) -> None:  # [n, vocab]
+        # The reference's full sort, row by row: softmax and cumsum over the whole sorted row
+        # (sorting only the top-k survivors would sum in another order, and ties at the k-th
+        # value can keep more than k).
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [n, vocab]
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [n, vocab]
+        drop_sorted = mass_before >= top_p
+        drop_sorted[:, 0] = False  # the top token always stays (see LogitsPipeline.probs)
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        _fill_neg_inf(logits, drop)
+
+    return step
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """Stands for a tensor while the metadata is built on the host (see :class:`_Staging`)."""
+
+    index: int
+
+
+class _Staging:
+    """Host lists gathered while building the metadata, sent to the device in one copy per
+    dtype; each list is a :class:`_Staged` until then, and a view of that copy after."""
+
+    def __init__(self) -> None:
+        self._values: dict[torch.dtype, list] = {torch.int64: [], torch.float32: []}
+        self._spans: list[tuple[torch.dtype, int, int, bool]] = []  # dtype, start, stop, column
+
+    def ints(self, values: Sequence[int], *, column: bool = False) -> _Staged:
+        return self._add(torch.int64, values, column)
+
+    def floats(self, values: Sequence[float], *, column: bool = True) -> _Staged:
+        return self._add(torch.float32, values, column)  # per-row parameters: [n, 1]
+
+    def _add(self, dtype: torch.dtype, values: Sequence, column: bool) -> _Staged:
+        store = self._values[dtype]
+        start = len(store)
+        store.extend(values)
+        self._spans.append((dtype, start, len(store), column))
+        return _Staged(len(self._spans) - 1)
+
+    def upload(self, device: torch.device | str) -> list[torch.Tensor]:
+        """One copy per dtype, from pinned memory without waiting when the device is a GPU (a
+        plain ``torch.tensor(values, device=...)`` waits for the GPU's queued work)."""
+        device = torch.device(device)
+        flat = {
+            dtype: torch.tensor(
+                values, dtype=dtype, device="cpu", pin_memory=device.type == "cuda"
+            ).to(device, non_blocking=True)
+            for dtype, values in self._values.items()
+        }
+        return [
+            flat[dtype][start:stop].view(-1, 1) if column else flat[dtype][start:stop]
+            for dtype, start, stop, column in self._spans
+        ]
+
+    @staticmethod
+    def resolve(value, tensors: list[torch.Tensor]):
+        """``value`` with each :class:`_Staged` (in a field of a dataclass too) replaced."""
+        if isinstance(value, _Staged):
+            return tensors[value.index]
+        if value is None or not is_dataclass(value):
+            return value
+        staged = {f.name: _Staging.resolve(getattr(value, f.name), tensors) for f in fields(value)}
+        return replace(value, **staged)
+
+
+def _check(pipelines, num_rows, output_token_ids, candidate_token_ids) -> None:
+    counts = {len(pipelines), len(num_rows), len(output_token_ids), len(candidate_token_ids)}
+    if len(counts) != 1:
+        raise ValueError(
+            f"one entry per request in each of pipelines, num_rows, output_token_ids and "
+            f"candidate_token_ids, got {len(pipelines)}, {len(num_rows)}, "
+            f"{len(output_token_ids)} and {len(candidate_token_ids)}"
+        )
+    vocab_sizes = {pipeline.vocab_size for pipeline in pipelines}
+    if len(vocab_sizes) > 1:
+        raise ValueError(f"the requests' pipelines have vocabularies {sorted(vocab_sizes)}")
+    for rows, candidates, output, pipeline in zip(
+        num_rows, candidate_token_ids, output_token_ids, pipelines, strict=True
+    ):
+        if rows < 1 or not rows - 1 <= len(candidates) <= rows:
+            raise ValueError(
+                f"{rows} logits rows need {rows - 1} candidate tokens (or {rows}), "
+                f"got {len(candidates)}"
+            )
+        for name, ids in (("candidate_token_ids", candidates), ("output_token_ids", output)):
+            if ids and (min(ids) < 0 or max(ids) >= pipeline.vocab_size):
+                raise ValueError(
+                    f"{name} holds an id outside the vocabulary [0, {pipeline.vocab_size})"
+                )
+
+
+class _Rows:
+    """Where each request's rows are: in the round, and among a chosen set of requests."""
+
+    def __init__(self, staged: _Staging, num_rows: Sequence[int]):
+        self.staged, self.num_rows = staged, num_rows
+        self.starts = [sum(num_rows[:i]) for i in range(len(num_rows))]
+
+    def per_row(self, requests: list[int], value: Callable[[int], object]) -> list:
+        """``value(i)`` once for each row of each request i, in order."""
+        return [value(i) for i in requests for _ in range(self.num_rows[i])]
+
+    def of(self, requests: list[int], within: list[int] | None = None) -> _Staged | None:
+        """The rows of ``requests``, counted in the round (``within`` None) or among the rows
+        of ``within``'s requests; None when they are all of them."""
+        if within is None:
+            first, num_all = self.starts, sum(self.num_rows)
+        else:
+            first, num_all = {}, 0
+            for i in within:
+                first[i], num_all = num_all, num_all + self.num_rows[i]
+        rows = [first[i] + j for i in requests for j in range(self.num_rows[i])]
+        return None if len(rows) == num_all else self.staged.ints(rows)
+
+
+def _stage_additive(rows: _Rows, pipelines) -> Additive | None:
+    requests = [i for i, pipeline in enumerate(pipelines) if pipeline.additive is not None]
+    if not requests:
+        return None
+    staged, slot_of = rows.staged, {i: slot for slot, i in enumerate(requests)}
+    entry_slot, entry_ids, entry_values = [], [], []
+    for slot, i in enumerate(requests):
+        entries = pipelines[i].additive[1]
+        entry_slot += [slot] * len(entries)
+        entry_ids += entries.keys()
+        entry_values += entries.values()
+    return Additive(
+        rows=rows.of(requests),
+        row_slot=staged.ints(rows.per_row(requests, slot_of.get)),
+        fill=staged.floats([pipelines[i].additive[0] for i in requests]),
+        entry_slot=staged.ints(entry_slot),
+        entry_ids=staged.ints(entry_ids),
+        entry_values=staged.floats(entry_values, column=False),
+    )
+
+
+def _stage_penalties(rows: _Rows, pipelines, output_token_ids, candidate_token_ids):
+    requests = [i for i, pipeline in enumerate(pipelines) if pipeline.uses_output_history]
+    if not requests:
+        return None
+    staged, slot_of = rows.staged, {i: slot for slot, i in enumerate(requests)}
+    history_slot, history_ids, candidate_row, candidate_ids = [], [], [], []
+    prompt_slot, prompt_ids = [], []
+    first_row = 0  # the request's first row among the penalised rows
+    for slot, i in enumerate(requests):
+        history_slot += [slot] * len(output_token_ids[i])
+        history_ids += output_token_ids[i]
+        for row in range(rows.num_rows[i]):  # row j counts candidates[:j]
+            candidate_row += [first_row + row] * row
+            candidate_ids += candidate_token_ids[i][:row]
+        first_row += rows.num_rows[i]
+        if pipelines[i].params.repetition_penalty != 1.0:
+            prompt_slot += [slot] * len(pipelines[i].prompt_token_set)
+            prompt_ids += pipelines[i].prompt_token_set
+    values = {}
+    for name, neutral in (
+        ("repetition_penalty", 1.0),
+        ("frequency_penalty", 0.0),
+        ("presence_penalty", 0.0),
+    ):
+        # + 0.0 makes a -0.0 penalty 0.0, which the reference skips (x - -0.0 turns -0.0 to 0.0)
+        per_row = rows.per_row(requests, lambda i, name=name: getattr(pipelines[i].params, name))
+        per_row = [value + 0.0 for value in per_row]
+        values[name] = None if all(v == neutral for v in per_row) else staged.floats(per_row)
+    repeats = values["repetition_penalty"] is not None
+    return Penalties(
+        rows=rows.of(requests),
+        row_slot=staged.ints(rows.per_row(requests, slot_of.get)),
+        num_requests=len(requests),
+        history_slot=staged.ints(history_slot),
+        history_ids=staged.ints(history_ids),
+        candidate_row=staged.ints(candidate_row),
+        candidate_ids=staged.ints(candidate_ids),
+        prompt_slot=staged.ints(prompt_slot) if repeats else None,
+        prompt_ids=staged.ints(prompt_ids) if repeats else None,
+        repetition=values["repetition_penalty"],
+        frequency=values["frequency_penalty"],
+        presence=values["presence_penalty"],
+    )
+
+
+def _stage_sampled_steps(rows: _Rows, pipelines, sampled: list[int], vocab_size: int) -> dict:
+    """Steps 4-7, over the sampled requests' rows."""
+    staged = rows.staged
+
+    def param(name: str) -> Callable[[int], float]:
+        return lambda i: getattr(pipelines[i].params, name)
+
+    steps: dict[str, object] = dict.fromkeys(("temperature", "min_p", "top_k", "top_p"))
+    if any(param("temperature")(i) != 1.0 for i in sampled):
+        steps["temperature"] = staged.floats(rows.per_row(sampled, param("temperature")))
+    for name, used in (("min_p", lambda v: v > 0.0), ("top_p", lambda v: v < 1.0)):
+        requests = [i for i in sampled if used(param(name)(i))]
+        if requests:
+            values = staged.floats(rows.per_row(requests, param(name)))
+            steps[name] = RowValues(rows.of(requests, sampled), values)
+    requests = [i for i in sampled if 0 < param("top_k")(i) < vocab_size]
+    if requests:
+        ks = rows.per_row(requests, param("top_k"))
+        kth_index = None if len(set(ks)) == 1 else staged.ints([k - 1 for k in ks], column=True)
+        steps["top_k"] = TopK(rows.of(requests, sampled), kth_index, max(ks))
+    return steps
