@@ -157,8 +157,9 @@ class BatchLogitsPipeline:
         candidate_token_ids: Sequence[Sequence[int]],
     ) -> list[torch.Tensor]:
         """Per request, from its logits ``[n_i + 1, vocab]``: int64 argmax ids ``[n_i + 1]``
-        when greedy, else float32 probabilities ``[n_i + 1, vocab]`` (views of one tensor);
-        what :meth:`LogitsPipeline.greedy_token_ids` / :meth:`LogitsPipeline.probs` give."""
+        when greedy, else float32 probabilities ``[n_i + 1, vocab]`` (views of this pass's
+        workspace: valid until its next call); what :meth:`LogitsPipeline.greedy_token_ids` /
+        :meth:`LogitsPipeline.probs` give."""
         if not logits:
             return []
         metadata = SamplingMetadata.build(
@@ -227,7 +228,10 @@ class BatchLogitsPipeline:
             _on_rows(logits, metadata.top_k.rows, self._top_k_step(metadata.top_k))
         if metadata.top_p is not None:
             _on_rows(logits, metadata.top_p.rows, _top_p_step(metadata.top_p.values))
-        return torch.softmax(logits, dim=-1)
+        # Into the workspace: a fresh [R, vocab] output of every forward cost more in page
+        # faults than the softmax itself on a CPU (docs/bench/history.md).
+        probs = self._buffer("probs", *logits.shape, torch.float32, logits.device)
+        return torch.softmax(logits, dim=-1, out=probs)
 
     def _copy(self, logits: torch.Tensor) -> torch.Tensor:
         return self._buffer("logits", *logits.shape, torch.float32, logits.device).copy_(logits)
