@@ -106,9 +106,11 @@ class DraftWorker:
         self.feature_rows_lost = 0  # rows after a gap (lost earlier ones): asked for again
         self.feature_waits_timed_out = 0
         # A self-draft (the target's weights at a cheaper precision) prefills with the target's
-        # fp32 weights: bf16 prefill is ~4x slower on CPU, and a draft is only a proposal.
+        # fp32 weights on the CPU: bf16 prefill is ~4x slower there, and a draft is only a
+        # proposal. On a GPU its own half-precision prefill is fast: no second copy is loaded.
         self._prefill_source = None
-        if getattr(self.drafter, "shares_target_architecture", False):
+        shares = getattr(self.drafter, "shares_target_architecture", False)
+        if shares and self.device.type == "cpu":
             self._prefill_source = ModelRunner(load_model(str(target_dir), param="target").model)
         self.requests: dict[str, RequestState] = {}
         # Tokens drafted past the committed ones (the last block and drafts made ahead), with
