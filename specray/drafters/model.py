@@ -2,9 +2,10 @@
 
 Per round and request: re-synchronise the draft's KV cache with the committed tokens (roll
 back what the target rejected, feed what it committed), then run k single-token steps for all
-requests at once. Each q goes through the request's own LogitsPipeline (history at that
-position) and the wire encoding, and the token is sampled from exactly that decoded q with the
-request's keyed DRAFT draw.
+requests at once. Each step's q come from one batched logits pass (bit-identical to each
+request's own LogitsPipeline, history at that position) and go through the wire encoding; the
+tokens are sampled from exactly those decoded q with the requests' keyed DRAFT draws, in one
+inverse-CDF pass read once.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from specray.sampling import (
     sample_from_probs,
     stack_rows,
 )
+from specray.sampling.batch_pipeline import BatchLogitsPipeline
+from specray.sampling.rng import keyed_uniforms, seed_tensor
 
 
 class VocabularyMismatchError(ValueError):
@@ -85,6 +88,7 @@ class ModelDrafter:
         # In process, fp32 q needs no wire form; a draft worker keeps the bytes it sends.
         self.keep_encoded = keep_encoded or encoding.name != "fp32"
         self._cached: dict[Hashable, list[int]] = {}  # tokens in the draft KV cache, per request
+        self._batch_pipeline = BatchLogitsPipeline()  # every request's q in one pass per step
         self.profile = DraftProfile()
 
     def import_prefill(self, target_runner: ModelRunner, requests: Sequence[DraftRequest]) -> None:
@@ -146,33 +150,23 @@ class ModelDrafter:
             profile.forward_s += time.perf_counter() - started
             profile.head_s += self.runner.head_s - head_before
             profile.steps += 1
-            for request in requests:
-                request_id = request.request_id
-                if request_id not in logits:
-                    continue
-                self._cached[request_id].extend(feeds[request_id])
-                started = time.perf_counter()
-                # History at this position: committed output plus this round's drafts so far.
-                history = [*request.output_token_ids, *proposals[request_id]]
-                draft_probs = request.pipeline.probs(logits[request_id], history)  # [1, vocab]
-                piped = time.perf_counter()
-                if self.keep_encoded:  # sample from exactly what is sent: decode(encode(q))
-                    row = encode_draft_probs(draft_probs, self.encoding)
-                    encoded[request_id].append(row)
-                    draft_probs = decode_draft_probs(row)
-                if request.pipeline.params.greedy:
-                    # q is one-hot: inverse-CDF sampling returns its token for every uniform,
-                    # so the keyed draw and the cumulative sum over the vocabulary are skipped.
-                    token = int(draft_probs[0].argmax())
-                else:
-                    position = len(request.output_token_ids) + step
-                    uniform = request.random.uniforms([position], Purpose.DRAFT, draft_probs.device)
-                    token = int(sample_from_probs(draft_probs, uniform))
-                proposals[request_id].append(token)
-                probs[request_id].append(draft_probs[0])
-                profile.pipeline_s += piped - started
-                profile.sample_s += time.perf_counter() - piped
-                profile.tokens += 1
+            stepping = [request for request in requests if request.request_id in logits]
+            started = time.perf_counter()
+            rows = self._step_probs(stepping, logits, proposals)  # [n, vocab] q per request
+            piped = time.perf_counter()
+            if self.keep_encoded:  # sample from exactly what is sent: decode(encode(q))
+                for index, request in enumerate(stepping):
+                    row = encode_draft_probs(rows[index : index + 1], self.encoding)
+                    encoded[request.request_id].append(row)
+                    rows[index] = decode_draft_probs(row)[0].to(rows.device)
+            tokens = self._sample(stepping, rows, step)
+            for index, request in enumerate(stepping):
+                self._cached[request.request_id].extend(feeds[request.request_id])
+                proposals[request.request_id].append(tokens[index])
+                probs[request.request_id].append(rows[index])
+            profile.pipeline_s += piped - started
+            profile.sample_s += time.perf_counter() - piped
+            profile.tokens += len(stepping)
         return [
             DraftBlock(
                 proposals[r.request_id],
@@ -181,6 +175,36 @@ class ModelDrafter:
             )
             for r in requests
         ]
+
+    def _step_probs(self, requests, logits, proposals) -> torch.Tensor:
+        """Every request's q for this step in one logits pass, ``[n, vocab]`` float32 (a fresh
+        tensor: its rows are kept): row i's history is request i's committed output plus its
+        drafts so far; a greedy request's q is the one-hot at its argmax."""
+        histories = [[*r.output_token_ids, *proposals[r.request_id]] for r in requests]
+        rows = self._batch_pipeline(
+            [r.pipeline for r in requests],
+            [logits[r.request_id] for r in requests],  # [1, vocab] each
+            histories,
+            [()] * len(requests),
+        )
+        out = torch.zeros(len(requests), self.vocab_size, device=rows[0].device)  # [n, vocab]
+        for index, (request, row) in enumerate(zip(requests, rows, strict=True)):
+            if request.pipeline.params.greedy:  # argmax id [1]: q is one-hot there
+                out[index].scatter_(0, row, 1.0)
+            else:
+                out[index] = row[0]
+        return out
+
+    def _sample(self, requests, rows: torch.Tensor, step: int) -> list[int]:
+        """Each request's token from its q, with its keyed DRAFT draw at its output position:
+        one inverse-CDF pass for the step and one read of the tokens (a greedy q is one-hot,
+        so the draw decides nothing there)."""
+        device = rows.device
+        seeds = seed_tensor([r.random.seed for r in requests], device)
+        positions = [[len(r.output_token_ids) + step] for r in requests]
+        position_ids = torch.tensor(positions, dtype=torch.int64, device=device)  # [n, 1]
+        uniforms = keyed_uniforms(seeds, position_ids, Purpose.DRAFT)[:, 0]  # [n]
+        return sample_from_probs(rows, uniforms).tolist()
 
     def release(self, request_ids: Sequence[Hashable]) -> None:
         self.runner.remove(request_ids)
