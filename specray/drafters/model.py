@@ -155,10 +155,12 @@ class ModelDrafter:
             rows = self._step_probs(stepping, logits, proposals)  # [n, vocab] q per request
             piped = time.perf_counter()
             if self.keep_encoded:  # sample from exactly what is sent: decode(encode(q))
-                for index, request in enumerate(stepping):
-                    row = encode_draft_probs(rows[index : index + 1], self.encoding)
+                step_encoded = encode_draft_probs(rows, self.encoding)  # one copy to the host
+                sent = [step_encoded.row(index) for index in range(len(stepping))]
+                for request, row in zip(stepping, sent, strict=True):
                     encoded[request.request_id].append(row)
-                    rows[index] = decode_draft_probs(row)[0].to(rows.device)
+                # decoded row by row, as the receiver decodes them; one copy back
+                rows = torch.cat([decode_draft_probs(row) for row in sent]).to(rows.device)
             tokens = self._sample(stepping, rows, step)
             for index, request in enumerate(stepping):
                 self._cached[request.request_id].extend(feeds[request.request_id])
