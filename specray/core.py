@@ -313,8 +313,7 @@ class TargetCore:
         # On the target rows' device, a whole round's keyed draws at once; q as the blocks
         # carry it (a top<M> q stays sparse). Blocks from draft workers were checked at the
         # boundary (check_block), so the rules trust them and read one flag on the host.
-        device = target_probs[0].device
-        draft_ids, num_draft = draft_ids.to(device), num_draft.to(device)
+        device = draft_ids.device  # _verify put them on the runner's, the rows' device
         seeds = seed_tensor([request.random.seed for request in requests], device)
         first = torch.tensor([len(r.output_token_ids) for r in requests], device=device)
         uniforms = VerifyUniforms.draw_round(seeds, first, num_draft, draft_ids.shape[1], device)
