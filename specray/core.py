@@ -37,7 +37,7 @@ from specray.sampling import (
 )
 from specray.sampling.batch_pipeline import BatchLogitsPipeline
 from specray.sampling.rng import seed_tensor
-from specray.sampling.verify_sparse import DraftProbs, verify_blocks
+from specray.sampling.verify_sparse import DraftProbs, RulesWorkspace, verify_blocks
 from specray.target_rounds import prefill_span
 
 
@@ -190,6 +190,7 @@ class TargetCore:
         self.prefilling: set[Hashable] = set()  # requests whose cache stops short of the prompt
         self.forward_s = 0.0  # seconds in verification forwards (the rest of a round is rules)
         self._batch_pipeline = BatchLogitsPipeline()  # every request's p in one pass per round
+        self._rules_workspace = RulesWorkspace()  # the rules' final rows, reused
 
     def prefill(
         self, requests: Sequence[RequestState], until: Mapping[Hashable, int | None] | None = None
@@ -319,5 +320,11 @@ class TargetCore:
         uniforms = VerifyUniforms.draw_round(seeds, first, num_draft, draft_ids.shape[1], device)
         draft_probs = [blocks[request.request_id][1] for request in requests]
         return verify_blocks(
-            draft_ids, num_draft, draft_probs, target_probs, uniforms, validate=False
+            draft_ids,
+            num_draft,
+            draft_probs,
+            target_probs,
+            uniforms,
+            validate=False,
+            workspace=self._rules_workspace,
         )

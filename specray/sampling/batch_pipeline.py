@@ -37,6 +37,7 @@ from dataclasses import dataclass, fields, is_dataclass, replace
 import torch
 
 from specray.sampling.pipeline import NEG_INF, LogitsPipeline
+from specray.sampling.rows import consecutive_rows
 
 TOPK_CHUNK = 64  # columns per chunk in top_values (a fast amax on a CPU)
 
@@ -185,7 +186,7 @@ class BatchLogitsPipeline:
                 f"the logits have {rows} rows of {parts[0].shape[-1]}, the metadata {total} "
                 f"of {vocab_size}"
             )
-        out = _consecutive(parts)  # [R, vocab], only read
+        out = consecutive_rows(parts)  # [R, vocab], only read
         owned = out is None or out.dtype != torch.float32  # out is the workspace, ours to change
         if owned:
             out = self._buffer("logits", total, vocab_size, torch.float32, parts[0].device)
@@ -284,28 +285,6 @@ def top_values(logits: torch.Tensor, k: int) -> torch.Tensor:
     tail = logits[:, num_chunks * TOPK_CHUNK :]  # [n, vocab % chunk]
     candidates = torch.cat([chunks.view(rows, k * TOPK_CHUNK), tail], dim=1)
     return torch.topk(candidates, k, dim=-1).values
-
-
-def _consecutive(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """``parts`` as one ``[R, vocab]`` view when they are consecutive rows of one contiguous
-    tensor (the pieces of a split), else None."""
-    first = parts[0]
-    address, storage = first.data_ptr(), first.untyped_storage().data_ptr()
-    if address == 0:  # no memory to compare (meta tensors)
-        return None
-    for part in parts:
-        if (
-            part.dtype != first.dtype
-            or part.device != first.device
-            or part.shape[1:] != first.shape[1:]
-            or not part.is_contiguous()
-            or part.data_ptr() != address
-            or part.untyped_storage().data_ptr() != storage
-        ):
-            return None
-        address += part.numel() * part.element_size()
-    rows, vocab_size = sum(part.shape[0] for part in parts), first.shape[1]
-    return first.as_strided((rows, vocab_size), (vocab_size, 1))
 
 
 def _fill_neg_inf(logits: torch.Tensor, mask: torch.Tensor) -> None:

@@ -83,7 +83,7 @@ def seed_tensor(seeds: Sequence[int], device: torch.device | str | None = None) 
 def keyed_uniforms(
     seeds: torch.Tensor,  # [batch] int64, from seed_tensor
     positions: torch.Tensor,  # [batch, n] int64, non-negative output positions
-    purpose: Purpose,
+    purpose: Purpose | torch.Tensor,  # one for all, or int64 [n]: one per column
     *,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
@@ -97,7 +97,8 @@ def keyed_uniforms(
     seeds = seeds.to(device=device, dtype=torch.int64)
     positions = positions.to(device=device, dtype=torch.int64)
     keyed = _splitmix64_tensor(_splitmix64_tensor(seeds)[:, None] ^ positions)  # [batch, n]
-    bits = _splitmix64_tensor(keyed ^ int(purpose))
+    purpose = purpose.to(device) if isinstance(purpose, torch.Tensor) else int(purpose)
+    bits = _splitmix64_tensor(keyed ^ purpose)
     # (bits >> 12) < 2^52 and + 0.5 are exact in float64, as in the scalar definition
     return (_shift_right(bits, 12).to(torch.float64) + 0.5) * 2.0**-52
 
@@ -141,27 +142,6 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     token_ids = _inverse_cdf(cdf, uniforms)  # [n]
     # u * total can round up to total: fall back to the last token with positive mass.
     return torch.minimum(token_ids, _last_positive(probs))
-
-
-def sample_from_cdf(cdf: torch.Tensor, uniforms: torch.Tensor, probs: torch.Tensor):
-    """:func:`sample_from_probs` given ``cdf = probs.double().cumsum(-1)``, with one host
-    synchronisation: the checks and the rare round-up case read one combined flag.
-
-    cdf, probs: ``[n, vocab]``; uniforms: ``[n]``. Returns int64 ``[n]``, the same ids.
-    """
-    total = cdf[:, -1:]  # [n, 1]
-    token_ids = _inverse_cdf(cdf, uniforms)  # [n]
-    # A token id below vocab has cdf[id] > cdf[id - 1], so probs[id] > 0 and the clamp to the
-    # last positive token is a no-op: only ids that ran past the row (u * total rounded up
-    # to total) need it.
-    invalid = (~torch.isfinite(total) | (total <= 0)).any()
-    flags = invalid.to(torch.int64) * 2 + (token_ids >= cdf.shape[-1]).any().to(torch.int64)
-    flag = int(flags)  # the host synchronisation
-    if flag & 2:
-        raise _no_distribution(total)
-    if flag & 1:
-        token_ids = torch.minimum(token_ids, _last_positive(probs))
-    return token_ids
 
 
 def _inverse_cdf(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -71,19 +71,26 @@ class VerifyUniforms:
         k: int,
         device: torch.device | str | None = None,
     ) -> VerifyUniforms:
-        """A whole round's uniforms, all requests at once (one draw per purpose), keyed as
-        :meth:`draw` keys them: accept and residual at ``first + j``, bonus at
-        ``first + num_draft``. Entries past a request's draft tokens are drawn, never read."""
+        """A whole round's uniforms, all requests at once (one keyed draw for the three
+        purposes), keyed as :meth:`draw` keys them: accept and residual at ``first + j``,
+        bonus at ``first + num_draft``. Entries past a request's draft tokens are drawn, never
+        read."""
         device = first_positions.device if device is None else device
         first_positions = first_positions.to(device)
         offsets = torch.arange(k, dtype=torch.int64, device=device)  # [k]
-        positions = first_positions[:, None] + offsets  # [batch, k]
-        bonus_positions = (first_positions + num_draft_tokens.to(device))[:, None]  # [batch, 1]
-        return VerifyUniforms(
-            keyed_uniforms(seeds, positions, Purpose.ACCEPT, device=device),
-            keyed_uniforms(seeds, positions, Purpose.RESIDUAL, device=device),
-            keyed_uniforms(seeds, bonus_positions, Purpose.BONUS, device=device)[:, 0],
+        drafted = first_positions[:, None] + offsets  # [batch, k]
+        bonus = (first_positions + num_draft_tokens.to(device))[:, None]  # [batch, 1]
+        positions = torch.cat([drafted, drafted, bonus], dim=1)  # [batch, 2k + 1]
+        # [2k + 1], filled on the device (a host list would be a copy that waits for it)
+        purposes = torch.cat(
+            [
+                torch.full((k,), int(purpose), dtype=torch.int64, device=device)
+                for purpose in (Purpose.ACCEPT, Purpose.RESIDUAL)
+            ]
+            + [torch.full((1,), int(Purpose.BONUS), dtype=torch.int64, device=device)]
         )
+        draws = keyed_uniforms(seeds, positions, purposes, device=device)  # [batch, 2k + 1]
+        return VerifyUniforms(draws[:, :k], draws[:, k : 2 * k], draws[:, 2 * k])
 
 
 @dataclass(frozen=True)

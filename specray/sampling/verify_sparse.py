@@ -1,16 +1,20 @@
 """The stochastic rule of :func:`specray.sampling.verify.verify_batch`, without dense q.
 
-Same rule, same float64 arithmetic, same tokens for the same uniforms (``verify_batch`` is the
-reference the tests hold this to; its module docstring defines accepted, recovered and bonus
-tokens, Leviathan et al. 2023). What differs is the data plane of a round:
+Same rule (``verify_batch``'s module docstring defines accepted, recovered and bonus tokens,
+Leviathan et al. 2023); what differs is the data plane of a round, which touches one
+vocabulary-sized row per request, the least that drawing its final token needs:
 
+  - the target rows are distributions (the logits pipeline's softmax) and are used as given:
+    ``p(d)`` is gathered at the drafted ids, no row is summed. ``verify_batch`` renormalises
+    each row in float64 first; float32 rows sum to 1 within ~1e-7, so the two agree except
+    where a uniform lies within that of an acceptance threshold;
   - q stays as it arrived: a sparse ``top<M>`` block is ``[n, M]`` ids and values, never a
-    ``[batch, k, vocab]`` tensor; a dense block is read in place (no padded copy);
-  - the target rows are read once each, for their float64 sums; ``p(d) / sum`` and ``q(d)`` are
-    gathered at the drafted ids only;
-  - one vocabulary-sized row is built per request, at its final position: the residual
-    ``max(0, p - q)`` (q scattered from its M values) or p itself for the bonus, then sampled by
-    inverse CDF as :func:`specray.sampling.rng.sample_from_probs` samples;
+    ``[batch, k, vocab]`` tensor; a dense block is read in place (no padded copy). q is
+    normalised by its own sum (what the draft sampled from);
+  - per request, the final row is copied once (float32, p at position num_accepted); a
+    rejected row gets the residual ``max(0, p - q)`` written at q's M ids (computed in
+    float64), and the row is sampled by
+    :func:`specray.sampling.block_sampling.sample_blocked`, whose block masses normalise it;
   - every tensor lives on the target rows' device; the round reads one flag on the host
     (``validate=True`` adds one).
 
@@ -28,8 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specray.sampling.block_sampling import BLOCK, block_masses, sample_blocked
 from specray.sampling.encoding import SparseDraftProbs
-from specray.sampling.rng import sample_from_cdf
+from specray.sampling.rows import consecutive_rows
 from specray.sampling.verify import (
     DEGENERATE_RESIDUAL_MASS,
     MAX_SPEC_LEN,
@@ -82,6 +87,28 @@ class DraftProbsBatch:
         return DraftProbsBatch(token_ids=token_ids.to(device), values=values.to(device))
 
 
+class RulesWorkspace:
+    """The rules' one vocabulary-sized buffer, kept from round to round by its owner (a fresh
+    ``[batch, vocab]`` float32 tensor per round costs more in page faults on a CPU than the
+    copy into it)."""
+
+    def __init__(self) -> None:
+        self._final: torch.Tensor | None = None  # [rows, vocab] float32, rows >= batch
+
+    def final_rows(self, batch: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """``[batch, vocab]`` float32 on ``device``, valid until the next call."""
+        final = self._final
+        if (
+            final is None
+            or final.device != device
+            or final.shape[0] < batch
+            or (final.shape[1] != vocab_size)
+        ):
+            final = torch.empty(batch, vocab_size, dtype=torch.float32, device=device)
+            self._final = final
+        return final[:batch]
+
+
 def verify_blocks(
     draft_token_ids: torch.Tensor,  # [batch, k] int64
     num_draft_tokens: torch.Tensor,  # [batch] int64, draft tokens valid per row (<= k)
@@ -90,16 +117,20 @@ def verify_blocks(
     uniforms: VerifyUniforms,
     *,
     validate: bool = True,
+    workspace: RulesWorkspace | None = None,
 ) -> BatchVerifyResult:
     """The stochastic rule for one round's blocks, q dense or sparse (see module docstring).
 
     All tensors on the device of ``target_probs``. ``validate=False`` trusts its inputs (blocks
     checked at the draft -> target boundary, ``specray.rpc.messages.check_block``): only shapes
     are checked then, which costs no host synchronisation. A batch mixing dense and sparse
-    blocks runs the rule once per form.
+    blocks runs the rule once per form. ``workspace``: the caller's, reused from round to
+    round (None: a fresh one). The target rows are read fastest as consecutive rows of one
+    tensor, as the batched logits pipeline returns them.
     """
     batch, k = draft_token_ids.shape
     _check_shapes(draft_token_ids, num_draft_tokens, draft_probs, target_probs, uniforms)
+    workspace = RulesWorkspace() if workspace is None else workspace
     device = draft_token_ids.device
     forms = [isinstance(block, SparseDraftProbs) for block in draft_probs]
     nonempty = [form for form, block in zip(forms, draft_probs, strict=True) if _rows(block)]
@@ -108,7 +139,7 @@ def verify_blocks(
         if validate:
             _check_values(draft_token_ids, num_draft_tokens, draft, target_probs)
         num_accepted, final_token = _rules(
-            draft_token_ids, num_draft_tokens, draft, target_probs, uniforms
+            draft_token_ids, num_draft_tokens, draft, target_probs, uniforms, workspace
         )
         return _assemble(draft_token_ids, num_accepted, final_token)
     num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -124,7 +155,7 @@ def verify_blocks(
         if validate:
             _check_values(draft_token_ids[index], num_draft_tokens[index], draft, targets)
         num_accepted[index], final_token[index] = _rules(
-            draft_token_ids[index], num_draft_tokens[index], draft, targets, part
+            draft_token_ids[index], num_draft_tokens[index], draft, targets, part, workspace
         )
     return _assemble(draft_token_ids, num_accepted, final_token)
 
@@ -133,86 +164,130 @@ def _rows(block: DraftProbs) -> int:
     return block.num_rows if isinstance(block, SparseDraftProbs) else block.shape[0]
 
 
-def _rules(draft_token_ids, num_draft_tokens, draft: DraftProbsBatch, target_probs, uniforms):
+def _rules(
+    draft_token_ids,
+    num_draft_tokens,
+    draft: DraftProbsBatch,
+    target_probs,
+    uniforms,
+    workspace: RulesWorkspace,
+):
     """One form's rule: ``(num_accepted [batch], final_token [batch])`` on the device."""
     batch, k = draft_token_ids.shape
-    device = draft_token_ids.device
+    target = _TargetRows(target_probs, num_draft_tokens)
     vocab = target_probs[0].shape[-1]
-    float64 = {"dtype": torch.float64, "device": device}
     safe_ids = draft_token_ids.clamp(0, vocab - 1)  # [batch, k], padding is never read
-    # p(d) and every row's float64 sum, request by request (blocks differ in length). The
-    # scratch copy makes the sum the one verify_batch takes (p.double().sum(-1)), bit for bit.
-    scratch = torch.empty(k + 1, vocab, **float64)  # one request's rows as float64
-    target_sums = torch.ones(batch, k + 1, **float64)  # [batch, k+1], 1 past a block
-    target_at_draft = torch.zeros(batch, k, **float64)  # [batch, k]
-    draft_sums = torch.ones(batch, k, **float64)  # [batch, k]
-    draft_at_draft = torch.zeros(batch, k, **float64)  # [batch, k]
-    for b, rows in enumerate(target_probs):
-        n = rows.shape[0] - 1
-        widened = scratch[: n + 1].copy_(rows)  # [n+1, vocab]
-        target_sums[b, : n + 1] = widened.sum(dim=-1)
-        target_at_draft[b, :n] = widened[:n].gather(-1, safe_ids[b, :n, None])[:, 0]
-        if not draft.sparse and n:
-            widened = scratch[:n].copy_(draft.dense_rows[b])  # [n, vocab]
-            draft_sums[b, :n] = widened.sum(dim=-1)
-            draft_at_draft[b, :n] = widened.gather(-1, safe_ids[b, :n, None])[:, 0]
-    if draft.sparse:
-        values = draft.values.double()  # [batch, k, M]
-        draft_sums = values.sum(dim=-1)  # [batch, k]; an all-padding row sums to 0
-        matches = draft.token_ids == draft_token_ids[..., None]  # [batch, k, M], one at most
-        draft_at_draft = (values * matches).sum(dim=-1)  # [batch, k], exact: one term
-    target_at_draft = target_at_draft / target_sums[:, :k].clamp(min=_TINY)  # p(d) normalised
+    target_at_draft = target.at_draft(safe_ids).to(torch.float64)  # [batch, k], p(d) as given
+    draft_sums, draft_at_draft = _draft_at_draft(draft, safe_ids, k)  # [batch, k] each
     draft_at_draft = draft_at_draft / draft_sums.clamp(min=_TINY)  # q(d) normalised
     accept_probs = torch.clamp(target_at_draft / draft_at_draft.clamp(min=_TINY), max=1.0)
     accepted = uniforms.accept < accept_probs  # [batch, k]
     num_accepted = _first_rejection(accepted, num_draft_tokens)  # [batch]
 
-    # The final row of each request: p at position num_accepted, normalised in float64.
-    final_sums = target_sums.gather(1, num_accepted[:, None]).clamp(min=_TINY)  # [batch, 1]
-    final = torch.empty(batch, vocab, **float64)  # [batch, vocab]
-    for b, rows in enumerate(target_probs):
-        row = rows.index_select(0, num_accepted[b : b + 1])  # [1, vocab], no host read
-        torch.div(row, final_sums[b : b + 1], out=final[b : b + 1])
+    # Each request's final row, p at position num_accepted: a float32 copy the residual may
+    # change in place.
+    final = target.final(num_accepted, workspace.final_rows(batch, vocab, num_accepted.device))
     final_uniform = uniforms.bonus  # [batch]
-    if k > 0:
-        # Rejected rows sample the residual max(0, p - q) at the first rejected position.
-        rejected = num_accepted < num_draft_tokens  # [batch]
-        # [batch]: the rejected position where rejected, else a row inside the block
-        at = torch.minimum(num_accepted, (num_draft_tokens - 1).clamp(min=0))
-        residual_uniform = uniforms.residual.gather(1, at[:, None])[:, 0]  # [batch]
-        final_uniform = torch.where(rejected, residual_uniform, final_uniform)
-        at_sums = draft_sums.gather(1, at[:, None]).clamp(min=_TINY)  # [batch, 1]
-        if draft.sparse:
-            final = _sparse_residual(final, draft, at, at_sums, rejected)
-        else:
-            final = _dense_residual(final, draft, at, at_sums, rejected)
-    cdf = final.cumsum(dim=-1)  # [batch, vocab]
-    return num_accepted, sample_from_cdf(cdf, final_uniform, final)
+    if k == 0:
+        return num_accepted, sample_blocked(final, final_uniform)
+    # Rejected rows sample the residual max(0, p - q) at the first rejected position.
+    rejected = num_accepted < num_draft_tokens  # [batch]
+    # [batch]: the rejected position where rejected, else a row inside the block
+    at = torch.minimum(num_accepted, (num_draft_tokens - 1).clamp(min=0))
+    residual_uniform = uniforms.residual.gather(1, at[:, None])[:, 0]  # [batch]
+    final_uniform = torch.where(rejected, residual_uniform, final_uniform)
+    at_sums = draft_sums.gather(1, at[:, None]).clamp(min=_TINY)  # [batch, 1]
+    if draft.sparse:
+        masses = _sparse_residual(final, draft, at, at_sums, rejected)
+    else:
+        masses = _dense_residual(final, draft, at, at_sums, rejected)
+    return num_accepted, sample_blocked(final, final_uniform, masses)
+
+
+class _TargetRows:
+    """The requests' p rows (request b: ``num_draft_tokens[b] + 1`` rows), read through one
+    ``[rows, vocab]`` view when they are consecutive rows of one tensor (the pipeline's
+    output), else request by request (no copy of them all)."""
+
+    def __init__(self, target_probs: Sequence[torch.Tensor], num_draft_tokens: torch.Tensor):
+        self.parts = target_probs
+        self.flat = consecutive_rows(target_probs)  # [rows, vocab] or None
+        sizes = num_draft_tokens + 1  # [batch]
+        self.starts = sizes.cumsum(dim=0) - sizes  # [batch], each request's first row
+
+    def at_draft(self, safe_ids: torch.Tensor) -> torch.Tensor:
+        """p at each drafted id, ``[batch, k]`` (positions past a block are never read)."""
+        k = safe_ids.shape[1]
+        if self.flat is not None:
+            positions = self.starts[:, None] + torch.arange(k, device=safe_ids.device)
+            return self.flat[positions.clamp(max=self.flat.shape[0] - 1), safe_ids]
+        values = torch.zeros(safe_ids.shape, dtype=self.parts[0].dtype, device=safe_ids.device)
+        for b, rows in enumerate(self.parts):
+            n = rows.shape[0] - 1
+            values[b, :n] = rows[:n].gather(-1, safe_ids[b, :n, None])[:, 0]
+        return values
+
+    def final(self, num_accepted: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of each request's row at ``num_accepted`` into ``out``,
+        ``[batch, vocab]``."""
+        if self.flat is not None and self.flat.dtype == out.dtype:
+            return torch.index_select(self.flat, 0, self.starts + num_accepted, out=out)
+        for b, part in enumerate(self.parts):
+            out[b] = part.index_select(0, num_accepted[b : b + 1])[0]
+        return out
+
+
+def _draft_at_draft(draft: DraftProbsBatch, safe_ids, k: int):
+    """Each q row's float64 sum and its value at the drafted id, ``[batch, k]`` each (1 and 0
+    past a block)."""
+    if draft.sparse:
+        values = draft.values.double()  # [batch, k, M]
+        matches = draft.token_ids == safe_ids[..., None]  # [batch, k, M], one at most
+        # An all-padding row sums to 0; the match sum is exact: one term.
+        return values.sum(dim=-1), (values * matches).sum(dim=-1)
+    batch = safe_ids.shape[0]
+    float64 = {"dtype": torch.float64, "device": safe_ids.device}
+    draft_sums = torch.ones(batch, k, **float64)
+    draft_at_draft = torch.zeros(batch, k, **float64)
+    vocab = draft.dense_rows[0].shape[-1] if draft.dense_rows else 0
+    scratch = torch.empty(k, vocab, **float64)  # one request's q rows, widened
+    for b, rows in enumerate(draft.dense_rows):
+        n = rows.shape[0]
+        if n:
+            widened = scratch[:n].copy_(rows)  # [n, vocab]
+            draft_sums[b, :n] = widened.sum(dim=-1)
+            draft_at_draft[b, :n] = widened.gather(-1, safe_ids[b, :n, None])[:, 0]
+    return draft_sums, draft_at_draft
 
 
 def _sparse_residual(final, draft: DraftProbsBatch, at, at_sums, rejected) -> torch.Tensor:
-    """``final`` [batch, vocab] with each rejected row replaced, in place, by its residual
-    (unless degenerate); q is subtracted at its M ids only, the other ids keep p."""
+    """Writes each rejected row's residual into ``final`` [batch, vocab] in place (unless
+    degenerate) and returns the rows' block masses ``[batch, num_blocks]``. q is subtracted
+    at its M ids only; every other id keeps p."""
     batch = final.shape[0]
     rows = torch.arange(batch, device=final.device)
     token_ids = draft.token_ids[rows, at]  # [batch, M]
-    draft_at = draft.values[rows, at].double() / at_sums  # [batch, M] normalised q
-    draft_at = draft_at * rejected[:, None]  # rows that keep p subtract 0
-    target_at = final.gather(-1, token_ids)  # [batch, M], p before
-    # p + (-q) == p - q in IEEE arithmetic; padding (id 0, value 0) adds -0.0, changing nothing.
-    final.scatter_add_(-1, token_ids, -draft_at)
-    residual_at = final.gather(-1, token_ids).clamp(min=0.0)  # [batch, M], max(0, p - q)
-    final.scatter_(-1, token_ids, residual_at)  # rejected rows now hold the whole residual
-    mass = final.sum(dim=-1)  # [batch], the residual's (verify_batch's sum, bit for bit)
-    use_residual = rejected & ~(mass <= DEGENERATE_RESIDUAL_MASS)  # p == q: sample from p
-    final.scatter_(-1, token_ids, torch.where(use_residual[:, None], residual_at, target_at))
-    return final
+    draft_at = draft.values[rows, at].double() / at_sums * rejected[:, None]  # [batch, M]
+    target_at = final.gather(-1, token_ids)  # [batch, M] float32, p
+    # max(0, p - q) in float64, stored as float32 (rows that keep p store p itself). Padding
+    # entries (id 0, q 0) store p(0); amin keeps the real entry's residual for id 0.
+    residual_at = (target_at.double() - draft_at).clamp(min=0.0).float()  # [batch, M]
+    final.scatter_reduce_(-1, token_ids, residual_at, "amin", include_self=False)
+    masses = block_masses(final)  # [batch, num_blocks], the residual's where rejected
+    # p == q up to rounding: no residual to speak of, so sample from p (put it back).
+    restore = rejected & (masses.sum(dim=-1) <= DEGENERATE_RESIDUAL_MASS)  # [batch]
+    put_back = torch.where(restore[:, None], target_at, residual_at)  # [batch, M]
+    final.scatter_reduce_(-1, token_ids, put_back, "amin", include_self=False)
+    # Masses follow without a second read: each restored entry adds p - residual >= 0.
+    # Padding entries add p(0) - p(0) = 0.
+    added = (target_at.double() - residual_at.double()) * restore[:, None]  # [batch, M]
+    return masses.scatter_add(1, torch.div(token_ids, BLOCK, rounding_mode="floor"), added)
 
 
 def _dense_residual(final, draft: DraftProbsBatch, at, at_sums, rejected) -> torch.Tensor:
-    """As :func:`_sparse_residual`, for dense q: one q row per request, at ``at``; one
-    vocabulary-sized buffer, written in place."""
-    residual = torch.zeros_like(final)  # [batch, vocab] float64: normalised q, then p - q
+    """As :func:`_sparse_residual`, for dense q: one q row per request, at ``at``; returns
+    the block masses."""
+    residual = torch.zeros(final.shape, dtype=torch.float64, device=final.device)
     for b, rows in enumerate(draft.dense_rows):
         if rows.shape[0]:  # an empty block is never rejected: its row stays 0
             row = rows.index_select(0, at[b : b + 1])  # [1, vocab]
@@ -220,7 +295,8 @@ def _dense_residual(final, draft: DraftProbsBatch, at, at_sums, rejected) -> tor
     residual.mul_(rejected[:, None])  # rows that keep p subtract 0
     torch.sub(final, residual, out=residual).clamp_(min=0.0)  # max(0, p - q)
     use_residual = rejected & ~(residual.sum(dim=-1) <= DEGENERATE_RESIDUAL_MASS)
-    return torch.where(use_residual[:, None], residual, final, out=final)
+    torch.where(use_residual[:, None], residual.float(), final, out=final)
+    return block_masses(final)
 
 
 def _check_shapes(draft_token_ids, num_draft_tokens, draft_probs, target_probs, uniforms):

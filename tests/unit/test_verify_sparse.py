@@ -1,9 +1,13 @@
-"""The sparse-q rules (verify_blocks) commit exactly the tokens of the reference verify_batch.
+"""The sparse-q rules (verify_blocks) commit the tokens of the reference verify_batch.
 
 The reference runs as the core ran it before: q decoded dense and every block padded into
-``[batch, k, vocab]`` / ``[batch, k + 1, vocab]`` tensors. Both get the same uniforms; every
-batch must commit identical token ids and acceptance counts, for dense fp32 q and top-M q,
-with empty blocks, rejections, degenerate residuals (p == q up to rounding) and bonus tokens.
+``[batch, k, vocab]`` / ``[batch, k + 1, vocab]`` tensors, p renormalised in float64 and
+sampled from a float64 cumulative sum of the whole row. The two differ only where a uniform
+lies within float32 rounding (~1e-7) of a threshold, which none of these seeded draws does:
+both get the same uniforms, and every batch must commit identical token ids and acceptance
+counts, for dense fp32 q and top-M q, with empty blocks, rejections, degenerate residuals
+(p == q up to rounding) and bonus tokens; rows read in place (consecutive rows of one tensor,
+as the pipeline returns them) or one request at a time.
 """
 
 import pytest
@@ -18,7 +22,8 @@ from specray.sampling import (
     verify_batch,
 )
 from specray.sampling.encoding import SparseDraftProbs, decode_sparse_draft_probs
-from specray.sampling.verify_sparse import verify_blocks
+from specray.sampling.rows import consecutive_rows
+from specray.sampling.verify_sparse import RulesWorkspace, verify_blocks
 
 NUM_BATCHES = 200
 ENCODINGS = ["fp32", "top1", "top4", "top64"]
@@ -115,6 +120,26 @@ def test_full_vocabulary_round(encoding):
         draft_ids, num_draft, dense_q, received_q, targets, uniforms = inputs
         expected = _reference(draft_ids, num_draft, dense_q, targets, uniforms)
         _assert_same(verify_blocks(draft_ids, num_draft, received_q, targets, uniforms), expected)
+
+
+@pytest.mark.parametrize("encoding", ["fp32", "top64"])
+def test_consecutive_rows_are_read_in_place(encoding):
+    """The pipeline's rows are views of one tensor: read through one view, with a workspace
+    kept across rounds, they commit what separate row sets commit."""
+    generator = torch.Generator().manual_seed(17)
+    workspace = RulesWorkspace()
+    for index in range(30):
+        inputs = _random_round(generator, encoding, 600, 6, 4, (0.5, 3.0, 12.0)[index % 3])
+        draft_ids, num_draft, dense_q, received_q, targets, uniforms = inputs
+        one = torch.cat(targets)  # [rows, vocab]
+        views = list(one.split([t.shape[0] for t in targets]))
+        assert consecutive_rows(views) is not None
+        expected = _reference(draft_ids, num_draft, dense_q, targets, uniforms)
+        result = verify_blocks(
+            draft_ids, num_draft, received_q, views, uniforms, workspace=workspace
+        )
+        _assert_same(result, expected)
+    assert consecutive_rows([one[:2], one[3:5]]) is None  # a gap: read request by request
 
 
 def _degenerate_round(encoding: str):
