@@ -183,6 +183,12 @@ class GroupsBackend:
     async def model_info(self) -> dict:
         return await self._pick().service.model_info()
 
+    async def tokenize(self, request: GenerateRequest) -> list[int]:
+        return await self._pick().service.tokenize(request)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self._pick().service.detokenize(token_ids)
+
     async def health(self) -> bool:
         return any(group.session.healthy for group in self.groups.values())
 

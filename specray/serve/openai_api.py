@@ -3,7 +3,8 @@
 ``build_http_app(backend)`` returns a FastAPI app with no global state: the Ray Serve ingress
 wraps it with ``@serve.ingress(app)``; the standalone server runs it under uvicorn on the loop
 the backend runs on. Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models``, ``GET /health``, ``GET /metrics``. Request bodies are parsed by
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, and vLLM's
+``POST /tokenize``, ``POST /detokenize``, ``GET /version``. Request bodies are parsed by
 :mod:`specray.serve.openai_schema` (which documents the API decisions), not by pydantic, so no
 FastAPI 422 ever reaches a client: every error is OpenAI's ``{"error": {message, type, param,
 code}}`` with the status of :mod:`specray.errors` (503 with ``Retry-After`` when retrying may
@@ -30,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specray import __version__
 from specray.errors import RequestCancelledError, SpecrayError
 from specray.serve.openai_schema import (
     ApiCall,
@@ -38,6 +40,8 @@ from specray.serve.openai_schema import (
     error_body,
     parse_chat,
     parse_completion,
+    parse_detokenize,
+    parse_tokenize,
     response,
     usage_chunk,
 )
@@ -309,17 +313,48 @@ def build_http_app(backend: GenerationBackend, *, auth_token: str | None = None)
     async def chat_completions(request: Request) -> Response:
         return await generate(request, parse_chat)
 
-    @route("/v1/models", "GET")
-    async def models(request: Request) -> Response:
+    async def model_card() -> dict:
         served = await model_info()
-        card = {
+        return {
             "id": served["model"],
             "object": "model",
             "created": started,
             "owned_by": "specray",
             "max_model_len": served.get("max_model_len") or None,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    @route("/v1/models", "GET")
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [await model_card()]})
+
+    @route("/v1/models/{model_id:path}", "GET")
+    async def model(request: Request) -> Response:
+        card, asked = await model_card(), request.path_params["model_id"]
+        if asked != card["id"]:
+            raise HttpError(
+                404,
+                f"the model {asked!r} does not exist; this server serves {card['id']!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(card)
+
+    @route("/tokenize", "POST")
+    async def tokenize(request: Request) -> Response:
+        served = await model_info()
+        prompt = parse_tokenize(await read_json(request), served["model"])
+        tokens = await backend.tokenize(prompt)
+        limit = served.get("max_model_len") or None
+        return JSONResponse({"count": len(tokens), "max_model_len": limit, "tokens": tokens})
+
+    @route("/detokenize", "POST")
+    async def detokenize(request: Request) -> Response:
+        token_ids = parse_detokenize(await read_json(request), (await model_info())["model"])
+        return JSONResponse({"prompt": await backend.detokenize(token_ids)})
+
+    @route("/version", "GET", auth=False)
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": __version__})
 
     @route("/health", "GET", auth=False)
     async def health(request: Request) -> Response:

@@ -3,8 +3,10 @@ response objects and stream chunks. Plain dicts, no web framework and no torch.
 
 Decisions a user of vLLM's OpenAI server would otherwise guess at:
 
-- Unknown fields are errors (400 naming the field). OpenAI ignores them, but a silently ignored
-  typo (``max_token``) or an unsupported feature (``tools``) returns a plausible wrong answer.
+- A field that is neither OpenAI's, vLLM's nor specray's is an error (400 naming it): a
+  silently ignored typo (``max_token``) returns a plausible wrong answer. OpenAI fields that
+  cannot change what is generated (``store``, ``metadata``, ``service_tier``, ...) are
+  accepted and ignored, as vLLM does; a missing ``model`` means the served one.
 - Every choice is its own backend request. Its request id is the response ``id`` when the call
   has one choice, else ``f"{id}-{index}"`` (abort by id either way). With an explicit ``seed``
   choice i of each prompt runs with ``seed + i``: n > 1 draws differ and replay exactly.
@@ -117,13 +119,31 @@ SAMPLING_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "allowed_token_ids": _token_ids,
 }
 COMMON_FIELDS = {"model", "n", "stop", "stream", "stream_options", "user", "max_tokens"}
+# OpenAI fields about storage, billing, caching or routing: they change nothing generated.
+IGNORED_FIELDS = {
+    "store",
+    "metadata",
+    "service_tier",
+    "parallel_tool_calls",
+    "prompt_cache_key",
+    "safety_identifier",
+    "prediction",
+}
+VLLM_FIELDS = {"include_stop_str_in_output"}
 SPECRAY_FIELDS = {"num_speculative_tokens", "speculation", "timeout"}
 COMPLETION_FIELDS = {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 
 
 def _check_fields(body: Mapping, endpoint_fields: set[str]) -> None:
-    known = COMMON_FIELDS | SPECRAY_FIELDS | endpoint_fields | set(SAMPLING_FIELDS)
+    known = (
+        COMMON_FIELDS
+        | IGNORED_FIELDS
+        | VLLM_FIELDS
+        | SPECRAY_FIELDS
+        | endpoint_fields
+        | set(SAMPLING_FIELDS)
+    )
     unknown = sorted(set(body) - known)
     if unknown:
         raise _invalid(unknown[0], f"unknown parameter {unknown[0]!r}")
@@ -155,6 +175,8 @@ class ApiCall:
 
 def _model(body: Mapping, served_model: str) -> str:
     model = body.get("model")
+    if model is None:  # as vLLM: the served model
+        return served_model
     if not isinstance(model, str) or not model:
         raise _invalid("model", f"model must be the served model's name, got {_show(model)}")
     if model != served_model:
@@ -248,6 +270,8 @@ def _build(
     if user is not None and not isinstance(user, str):
         raise _invalid("user", f"user must be a string, got {_show(user)}")
     stop = _stop(body.get("stop"))
+    include_stop = body.get("include_stop_str_in_output")
+    include_stop = include_stop is not None and _boolean("include_stop_str_in_output", include_stop)
     timeout_s = body.get("timeout")
     if timeout_s is not None and not 0 < _number("timeout", timeout_s) < math.inf:
         raise _invalid("timeout", f"timeout must be > 0 seconds, got {_show(timeout_s)}")
@@ -265,6 +289,7 @@ def _build(
                     **prompt,
                     params=choice_params,
                     stop=stop,
+                    include_stop_str_in_output=include_stop,
                     num_speculative_tokens=k,
                     request_id=call_id if single else f"{call_id}-{index}",
                     timeout_s=timeout_s,
@@ -391,6 +416,29 @@ def parse_chat(body: Any, served_model: str) -> ApiCall:
     )
     params = _sampling(body, length_field)
     return _build(body, chat=True, model=model, prompts=prompts, params=params)
+
+
+# ---- tokenizer endpoints (vLLM's) --------------------------------------------------------
+def parse_tokenize(body: Any, served_model: str) -> GenerateRequest:
+    """``POST /tokenize``: ``prompt`` (text, no chat template) or ``messages`` (rendered as
+    ``/v1/chat/completions`` renders them) -> the request whose prompt ids to return."""
+    body, _ = _start(body, served_model, {"prompt", "messages"})
+    if ("prompt" in body) == ("messages" in body):
+        raise _invalid("prompt", "send exactly one of prompt (text) or messages")
+    if "messages" in body:
+        return GenerateRequest(messages=tuple(check_messages(body["messages"])))
+    prompt = body["prompt"]
+    if not isinstance(prompt, str) or not prompt:
+        raise _invalid("prompt", f"prompt must be a non-empty string, got {_show(prompt)}")
+    return GenerateRequest(prompt=prompt)
+
+
+def parse_detokenize(body: Any, served_model: str) -> list[int]:
+    """``POST /detokenize``: ``tokens``, a list of token ids."""
+    body, _ = _start(body, served_model, {"tokens"})
+    if "tokens" not in body:
+        raise _invalid("tokens", "tokens is required")
+    return _token_ids("tokens", body["tokens"])
 
 
 # ---- responses ---------------------------------------------------------------------------

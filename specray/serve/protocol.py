@@ -25,6 +25,9 @@ from specray.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16  # as OpenAI's API caps ``stop`` (4) and vLLM does not: a sane bound
 CHAT_ROLES = ("system", "user", "assistant")
+# Roles other APIs name that mean one of ours: OpenAI's "developer" instructions are the system
+# turn of models without a developer role in their chat template (as vLLM maps them).
+ROLE_ALIASES = {"developer": "system"}
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,8 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[Mapping[str, str], ...] | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
-    stop: tuple[str, ...] = ()  # stop strings: the output ends before the first one
+    stop: tuple[str, ...] = ()  # stop strings: the output ends before the first one ...
+    include_stop_str_in_output: bool = False  # ... or right after it (vLLM's option)
     num_speculative_tokens: int | None = None  # this request's largest k; 0 = speculation off
     request_id: str | None = None
     timeout_s: float | None = None  # the deadline, from now
@@ -78,6 +82,12 @@ class GenerateRequest:
             object.__setattr__(self, "prompt_token_ids", tuple(ids))
         if self.messages is not None:
             object.__setattr__(self, "messages", tuple(check_messages(self.messages)))
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InvalidRequestError(
+                "include_stop_str_in_output must be true or false, got "
+                f"{self.include_stop_str_in_output!r}",
+                param="include_stop_str_in_output",
+            )
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
@@ -134,6 +144,7 @@ class GenerateRequest:
             "messages": [dict(m) for m in self.messages] if self.messages is not None else None,
             "params": dict(self.params),
             "stop": list(self.stop),
+            "include_stop_str_in_output": self.include_stop_str_in_output,
             "num_speculative_tokens": self.num_speculative_tokens,
             "request_id": self.request_id,
             "timeout_s": self.timeout_s,
@@ -165,9 +176,11 @@ def check_messages(messages) -> list[dict[str, str]]:
                 f"messages[{index}] must be an object, got {message!r}", param="messages"
             )
         role, content = message.get("role"), message.get("content")
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in CHAT_ROLES:
             raise InvalidRequestError(
-                f"messages[{index}].role must be one of {list(CHAT_ROLES)}, got {role!r}",
+                f"messages[{index}].role must be one of {[*CHAT_ROLES, *ROLE_ALIASES]}, "
+                f"got {role!r}",
                 param="messages",
             )
         if isinstance(content, list):
@@ -211,6 +224,15 @@ class GenerationBackend(Protocol):
     async def model_info(self) -> dict:
         """``model`` (served name), ``max_model_len``, ``vocab_size``, ``draft``,
         ``num_speculative_tokens``, ``eos_token_ids``."""
+        ...
+
+    async def tokenize(self, request: GenerateRequest) -> list[int]:
+        """The prompt token ids ``generate`` would run (``/tokenize``)."""
+        ...
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (``/detokenize``); ids outside the vocabulary are an
+        InvalidRequestError naming ``tokens``."""
         ...
 
     async def health(self) -> bool:

@@ -115,7 +115,9 @@ class CoordinatorService:
             stream=request.stream or bool(request.stop),
         )
         request_id = stream.request_id
-        text = TextStream(self.tokenizer, request.stop)
+        text = TextStream(
+            self.tokenizer, request.stop, include_stop=request.include_stop_str_in_output
+        )
         if request.resume_token_ids:
             # A resumed request: the caller has (most of) these tokens' text already; it is
             # told where this stream's text starts, so it sends on exactly what is new.
@@ -169,6 +171,22 @@ class CoordinatorService:
             "num_speculative_tokens": session.num_speculative_tokens if self.draft_name else 0,
             "eos_token_ids": sorted(session.eos_token_ids),
         }
+
+    async def tokenize(self, request: GenerateRequest) -> list[int]:
+        """The prompt token ids ``generate`` would run ``request`` with (chat template
+        applied to messages)."""
+        return self._prompt_ids(request)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        vocab_size = self.coordinator.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"tokens holds {bad[0]}, outside the vocabulary [0, {vocab_size})", param="tokens"
+            )
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer", param="tokens")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     async def health(self) -> bool:
         return self.coordinator.healthy

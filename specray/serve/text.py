@@ -14,16 +14,18 @@ class TextStream:
     ``push(token_ids)`` returns the text that is safe to emit: it holds back a trailing
     incomplete character, and the last ``len(longest stop) - 1`` characters, which could be
     the start of a stop string. ``stopped`` is set when a stop string appeared; the text then
-    ends right before it. ``flush()`` returns what was held back once the output is final.
+    ends right before it (right after it with ``include_stop``). ``flush()`` returns what was
+    held back once the output is final.
 
     Decoding is incremental: each push decodes only the tokens since the last complete
     character, with the chunk before them as context (a token's text can depend on its left
     neighbour), so a long output costs O(length), not O(length^2), per request.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), *, include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.include_stop = include_stop
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""  # decoded so far (stop applied)
@@ -37,9 +39,10 @@ class TextStream:
         if self.stopped or self.tokenizer is None:
             return ""
         self._decode_new(force=False)
-        cut = self._first_stop(self.text)
-        if cut is not None:
-            self.text, self.stopped = self.text[:cut], True
+        found = self._first_stop(self.text)
+        if found is not None:
+            cut, stop = found
+            self.text, self.stopped = self.text[: cut + len(stop) * self.include_stop], True
             return self._take(len(self.text))
         return self._take(len(self.text) - self._hold)
 
@@ -59,11 +62,13 @@ class TextStream:
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self.token_ids)
 
-    def _first_stop(self, text: str) -> int | None:
+    def _first_stop(self, text: str) -> tuple[int, str] | None:
+        """Where the first stop string starts, and which (the longest of those starting
+        there)."""
         # Search from just before the new text: a stop string may straddle two deltas.
         start = max(self.emitted - self._hold, 0)
-        found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-        return min(found) if found else None
+        found = [(i, s) for s in self.stop if (i := text.find(s, start)) >= 0]
+        return min(found, key=lambda hit: (hit[0], -len(hit[1]))) if found else None
 
     def _take(self, end: int) -> str:
         if end <= self.emitted:

@@ -300,7 +300,65 @@ def test_stop_string(served, client, engine):
     assert "".join(c.choices[0].text for c in stream) == expected
 
 
+def test_stop_string_kept_on_request(served, client, engine):
+    """vLLM's include_stop_str_in_output: the output ends right after the stop string."""
+    text = _greedy(engine, PROMPT, chat=False).text
+    stop = text[6:9]
+    expected = text[: text.find(stop) + len(stop)]
+    extra = {"include_stop_str_in_output": True}
+    completion = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stop=[stop],
+        extra_body=extra,
+    )
+    assert completion.choices[0].text == expected
+    assert completion.choices[0].finish_reason == "stop"
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stop=stop,
+        stream=True,
+        extra_body=extra,
+    )
+    assert "".join(c.choices[0].text for c in stream) == expected
+
+
 # ---- chat --------------------------------------------------------------------------------
+def test_fields_sdks_send_are_accepted(served, client, engine):
+    """What SDKs and frameworks send by default changes nothing generated: storage, billing
+    and cache fields are ignored, a developer turn is the system turn, a missing model is the
+    served one."""
+    system = {"role": "system", "content": "Answer in one word."}
+    question = {"role": "user", "content": QUESTION}
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[system, question], max_tokens=MAX_TOKENS, temperature=0
+    )
+    lenient = client.chat.completions.create(
+        model=MODEL,
+        messages=[{**system, "role": "developer"}, question],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        store=False,
+        metadata={"team": "search"},
+        service_tier="auto",
+        parallel_tool_calls=False,
+        prompt_cache_key="k1",
+        safety_identifier="user-1",
+        user="user-1",
+    )
+    assert lenient.choices[0].message.content == plain.choices[0].message.content
+    body = {"messages": [system, question], "max_tokens": MAX_TOKENS, "temperature": 0}
+    reply = httpx.post(f"{served.url()}/v1/chat/completions", json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["model"] == MODEL
+    assert reply.json()["choices"][0]["message"]["content"] == plain.choices[0].message.content
+
+
 def test_chat_greedy_matches_engine(served, client, engine):
     expected = _greedy(engine, QUESTION, chat=True)
     messages = [{"role": "user", "content": QUESTION}]
@@ -518,6 +576,33 @@ def test_models(served, client):
     [card] = client.models.list().data
     assert card.id == MODEL and card.object == "model" and card.owned_by == "specray"
     assert card.model_extra["max_model_len"] == 256
+
+
+def test_model_by_id(served, client):
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    _assert_error(httpx.get(f"{served.url()}/v1/models/gpt-4"), 404, "model")
+
+
+def test_tokenize_and_detokenize(served, client):
+    url = served.url()
+    tokens = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 256
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    assert completion.usage.prompt_tokens == tokens["count"]
+    text = httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text.endswith(PROMPT)
+    messages = [{"role": "user", "content": QUESTION}]
+    chat_tokens = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert chat_tokens["count"] == reply.usage.prompt_tokens
+    _assert_error(httpx.post(f"{url}/tokenize", json={}), 400, "prompt")
+    _assert_error(httpx.post(f"{url}/tokenize", json={"prompt": PROMPT, "tokens": [1]}), 400)
+    _assert_error(httpx.post(f"{url}/detokenize", json={"tokens": [-1]}), 400, "tokens")
+    _assert_error(httpx.post(f"{url}/detokenize", json={"tokens": "abc"}), 400, "tokens")
+    assert httpx.get(f"{url}/version").json()["version"]
 
 
 def test_metrics(served):
