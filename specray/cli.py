@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import os
 import sys
 import time
 
@@ -440,13 +443,38 @@ def main(argv: list[str] | None = None) -> int:
     _report_stream = sys.stdout
     if args.command not in ("generate", "bench") or not args.json:
         return _main(args)
-    # Only the report on stdout: what else prints meanwhile (Ray's lines from its processes,
-    # progress) goes to stderr, so that the output parses as JSON.
-    sys.stdout = sys.stderr
+    # Only the report on stdout: whatever else writes there meanwhile (progress; Ray's lines,
+    # from this process or the ones it starts) goes to stderr, so that the output parses.
+    original = sys.stdout
+    with _stdout_descriptor_to_stderr(original) as report:
+        _report_stream, sys.stdout = report, sys.stderr
+        try:
+            return _main(args)
+        finally:
+            sys.stdout = original
+
+
+@contextlib.contextmanager
+def _stdout_descriptor_to_stderr(stdout):
+    """Yields the stream the report goes to. When ``stdout`` writes to file descriptor 1, the
+    descriptor points at stderr while inside (child processes and native code write there)
+    and the report goes to a copy of the original; otherwise (a test's capture), ``stdout``."""
     try:
-        return _main(args)
+        on_descriptor_1 = stdout.fileno() == 1
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        on_descriptor_1 = False
+    if not on_descriptor_1:
+        yield stdout
+        return
+    stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with os.fdopen(os.dup(saved), "w") as report:
+            yield report
     finally:
-        sys.stdout = _report_stream
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _main(args: argparse.Namespace) -> int:

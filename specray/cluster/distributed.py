@@ -25,7 +25,8 @@ DRAFT_WORKER_CONCURRENCY = 4  # a waiting call must be able to arrive to stop a 
 def connect(
     cluster: str, placement: PlacementConfig, *, env: Mapping[str, str] | None = None
 ) -> None:
-    """``"auto"``: an embedded local Ray (both node types on this machine); else an address.
+    """``"auto"``: an embedded local Ray of its own (both node types on this machine), even
+    when another Ray runs here or ``RAY_ADDRESS`` names one; else the cluster at an address.
     ``env``: variables for the embedded Ray's processes (:mod:`specray.cluster.serve_env`);
     a cluster at an address was started with its own."""
     import ray
@@ -36,6 +37,9 @@ def connect(
     if cluster == "auto":
         apply_serve_env(env or {})
         ray.init(
+            # "local": start one. Without it Ray joins the last cluster `ray start` made on
+            # this machine (its pointer outlives the cluster), which takes no resources.
+            address="local",
             include_dashboard=False,
             resources={
                 placement.draft_resource: LOCAL_NODE_RESOURCES,

@@ -16,7 +16,7 @@ from specray.drafters.distilled import load_distilled
 from specray.drafters.feature import FeatureDrafter
 from specray.drafters.model import ModelDrafter, VocabularyMismatchError, check_same_vocabulary
 from specray.drafters.ngram import NgramConfig, NgramDrafter, find_continuation
-from specray.models.loading import LoadedModel, load_model
+from specray.models.loading import LoadedModel, ModelInfo, load_model
 from specray.models.runner import ModelRunner
 from specray.sampling import DraftProbsEncoding
 
@@ -40,7 +40,7 @@ def measured_drafts_file() -> Path:
     return Path(str(resources.files("specray.data").joinpath("drafters.json")))
 
 
-def measured_winner(target: LoadedModel, path: Path | None = None) -> str:
+def measured_winner(target: LoadedModel | ModelInfo, path: Path | None = None) -> str:
     """The drafter ``specray bench --drafters all --record`` measured fastest for this target
     (matched by :func:`model_digest`), else :data:`FALLBACK_DRAFT`."""
     path = path or measured_drafts_file()
@@ -66,8 +66,9 @@ def model_digest(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def resolve_draft_name(draft: str, target: LoadedModel) -> str:
-    """``"default"`` / ``"auto"`` -> the measured winner; other names are returned as given."""
+def resolve_draft_name(draft: str, target: LoadedModel | ModelInfo) -> str:
+    """``"default"`` / ``"auto"`` -> the measured winner; other names are returned as given.
+    ``target``: the loaded target, or its description (only its directory is read)."""
     return measured_winner(target) if draft in {"default", MEASURED_DRAFT} else draft
 
 

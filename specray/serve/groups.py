@@ -19,6 +19,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, replace
 
+from specray.drafters import resolve_draft_name
 from specray.engine_core.aio_client import AsyncEngineCoreClient
 from specray.errors import DeadlineExceededError, UnavailableError
 from specray.serve.config import AppArgs
@@ -112,7 +113,7 @@ class GroupsBackend:
             session,
             tokenizer=info.tokenizer,
             model_name=self.args.served_name,
-            draft_name=self.args.draft,
+            draft_name=resolve_draft_name(self.args.draft, info) if self.args.draft else None,
             max_model_len=info.max_positions,
         )
         return Group(group_id, target["address"], leader, session, service)

@@ -218,6 +218,7 @@ class LocalBackend(CoordinatorService):
 
         from specray.actors.draft_worker import DraftWorker
         from specray.actors.target_worker import TargetWorker
+        from specray.drafters import resolve_draft_name
         from specray.engine_core.aio_client import AsyncEngineCoreClient
         from specray.models.loading import load_model_info
 
@@ -263,7 +264,7 @@ class LocalBackend(CoordinatorService):
             session,
             tokenizer=info.tokenizer,
             model_name=name,
-            draft_name=draft,
+            draft_name=resolve_draft_name(draft, info) if draft else None,
             max_model_len=info.max_positions,
         )
         backend.workers = (worker, drafts)

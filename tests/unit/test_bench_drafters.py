@@ -64,3 +64,16 @@ def test_tiny_run_records_a_winner_that_auto_resolves_to(tmp_path):
     assert measured_winner(loaded, path) == report["winner"]["draft"]
     other, _ = save_tiny_chat_pair(tmp_path / "other", seed=3, max_positions=128)
     assert measured_winner(LoadedModel(None, None, Path(other)), path) == FALLBACK_DRAFT
+
+
+def test_served_draft_names_resolve_from_the_target_description(tmp_path):
+    """What ``model_info`` reports: the drafter that runs, not ``default``."""
+    from specray.drafters import resolve_draft_name
+    from specray.models.loading import load_model_info
+
+    target, draft = save_tiny_chat_pair(tmp_path / "models")
+    info = load_model_info(target)  # no weights: the description the ingress holds
+    assert resolve_draft_name("default", info) == FALLBACK_DRAFT  # nothing measured for it
+    assert resolve_draft_name("auto", info) == FALLBACK_DRAFT
+    assert resolve_draft_name(draft, info) == draft
+    assert resolve_draft_name("ngram", info) == "ngram"
