@@ -15,7 +15,10 @@ What that takes:
     the softmax in another order, and ties at the k-th value can keep more than k);
   - the bias / mask term added to every entry of a row that has one, as the reference does
     (``-0.0 + 0.0`` is ``0.0``; a sparse add would keep ``-0.0``, and a GPU's radix sort
-    orders the two zeros).
+    orders the two zeros);
+  - on a CPU, requests whose only step after temperature is top-k: the reference's
+    :func:`~specray.sampling.top_k.top_k_probs` once per k, over the rows of that k (a softmax
+    over each row's top candidates, no pass over the rows per step).
 
 What a request set needs is worked out on the host, where the parameters are known, into one
 :class:`SamplingMetadata` per forward (vLLM's "sampling metadata"): per-row parameter tensors,
@@ -33,13 +36,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, is_dataclass, replace
+from itertools import groupby
 
 import torch
 
 from specray.sampling.pipeline import NEG_INF, LogitsPipeline
 from specray.sampling.rows import consecutive_rows
-
-TOPK_CHUNK = 64  # columns per chunk in top_values (a fast amax on a CPU)
+from specray.sampling.top_k import TopK, TopKGroup, takes_candidates, top_k_probs, top_values
 
 
 @dataclass(frozen=True)
@@ -48,15 +51,6 @@ class RowValues:
 
     rows: torch.Tensor | None  # [n] int64, the rows the step runs on; None: every row
     values: torch.Tensor  # [n, 1] float32
-
-
-@dataclass(frozen=True)
-class TopK:
-    """Step 6 (top-k, ties at the k-th value kept)."""
-
-    rows: torch.Tensor | None  # [n] int64; None: every sampled row
-    kth_index: torch.Tensor | None  # [n, 1] int64, k - 1 per row; None: one k for every row
-    largest_k: int  # the largest k of these rows (one torch.topk for all of them)
 
 
 @dataclass(frozen=True)
@@ -96,21 +90,25 @@ class Penalties:
 @dataclass(frozen=True)
 class SamplingMetadata:
     """One forward's request set, on the logits' device. Steps 1-2 index rows of the round
-    (``[R, vocab]``); steps 4-8 index rows of the sampled requests (``[Rs, vocab]``, the
-    round's rows of sampled requests, in order). A step that is None runs no kernel."""
+    (``[R, vocab]``). Steps 4-8 of the sampled requests in a top-k group run per group; those
+    of the others (the dense path) index the dense rows (``[Rd, vocab]``, the round's rows of
+    those requests, in order). A step that is None runs no kernel."""
 
     vocab_size: int
     num_rows: tuple[int, ...]  # rows of each request (n_i + 1), in order
     greedy: tuple[bool, ...]  # per request
     # None: every row (or, for a kind of request the set lacks, unused)
     greedy_rows: torch.Tensor | None  # [Rg] int64 rows of greedy requests
-    sampled_rows: torch.Tensor | None  # [Rs] int64 rows of sampled requests
+    dense_rows: torch.Tensor | None  # [Rd] int64 rows of the dense path's requests
+    # (first dense row, first row among the sampled requests' rows, rows) per run
+    dense_runs: tuple[tuple[int, int, int], ...]
     additive: Additive | None
     penalties: Penalties | None
-    temperature: torch.Tensor | None  # [Rs, 1] float32; None: 1 on every sampled row
+    temperature: torch.Tensor | None  # [Rd, 1] float32; None: 1 on every dense row
     min_p: RowValues | None
     top_k: TopK | None
     top_p: RowValues | None
+    top_k_groups: tuple[TopKGroup, ...]  # on a CPU only
 
     @staticmethod
     def build(
@@ -123,21 +121,26 @@ class SamplingMetadata:
         """Row j of request i sees the history ``output_token_ids[i]`` plus
         ``candidate_token_ids[i][:j]`` (and its prompt), as in :class:`LogitsPipeline`."""
         _check(pipelines, num_rows, output_token_ids, candidate_token_ids)
+        device = torch.device(device)
         staged = _Staging()
         rows = _Rows(staged, num_rows)
         greedy = tuple(pipeline.params.greedy for pipeline in pipelines)
         picked = [i for i, is_greedy in enumerate(greedy) if is_greedy]
         sampled = [i for i, is_greedy in enumerate(greedy) if not is_greedy]
         vocab_size = pipelines[0].vocab_size if pipelines else 0
+        grouped = {i for i in sampled if takes_candidates(pipelines[i].params, vocab_size, device)}
+        dense = [i for i in sampled if i not in grouped]
         metadata = SamplingMetadata(
             vocab_size=vocab_size,
             num_rows=tuple(num_rows),
             greedy=greedy,
             greedy_rows=rows.of(picked) if picked else None,
-            sampled_rows=rows.of(sampled) if sampled else None,
+            dense_rows=rows.of(dense) if dense else None,
+            dense_runs=_runs(rows.indices(dense, sampled)[0]),
             additive=_stage_additive(rows, pipelines),
             penalties=_stage_penalties(rows, pipelines, output_token_ids, candidate_token_ids),
-            **_stage_sampled_steps(rows, pipelines, sampled, vocab_size),
+            **_stage_sampled_steps(rows, pipelines, dense, vocab_size),
+            top_k_groups=_stage_top_k_groups(rows, pipelines, sampled, grouped),
         )
         return _Staging.resolve(metadata, staged.upload(device))
 
@@ -204,18 +207,38 @@ class BatchLogitsPipeline:
             greedy_ids = iter(picked.argmax(dim=-1).split(sizes))  # [Rg] int64
         if not all(metadata.greedy):
             sizes = [n for n, g in zip(metadata.num_rows, metadata.greedy, strict=True) if not g]
-            sampled_probs = iter(self._sampled_probs(out, owned, metadata).split(sizes))
+            probs = self._sampled_probs(out, owned, metadata, sum(sizes))  # [Rs, vocab]
+            sampled_probs = iter(probs.split(sizes))
         return [next(greedy_ids) if greedy else next(sampled_probs) for greedy in metadata.greedy]
 
     def _sampled_probs(
-        self, out: torch.Tensor, owned: bool, metadata: SamplingMetadata
+        self, out: torch.Tensor, owned: bool, metadata: SamplingMetadata, num_sampled: int
     ) -> torch.Tensor:
         """Steps 4-8 on the sampled requests' rows: ``[Rs, vocab]`` probabilities. ``out`` may
         be changed only when ``owned``."""
+        # Into the workspace: a fresh [R, vocab] output of every forward cost more in page
+        # faults than the softmax itself on a CPU (docs/bench/history.md).
+        probs = self._buffer("probs", num_sampled, out.shape[1], torch.float32, out.device)
+        if metadata.top_k_groups:
+            probs.zero_()  # the groups write their rows' candidates only
+        for group in metadata.top_k_groups:  # before the dense path, which may change out
+            logits = out if group.rows is None else self._rows(out, group.rows)  # [n, vocab]
+            top_k_probs(logits, group.temperature, group.top_k).write(probs, group.slots)
+        if metadata.dense_runs:
+            logits = self._dense_logits(out, owned, metadata)  # [Rd, vocab]
+            for dense_row, row, n in metadata.dense_runs:
+                torch.softmax(logits[dense_row : dense_row + n], dim=-1, out=probs[row : row + n])
+        return probs
+
+    def _dense_logits(
+        self, out: torch.Tensor, owned: bool, metadata: SamplingMetadata
+    ) -> torch.Tensor:
+        """Steps 4-7 on the dense path's rows: ``[Rd, vocab]`` (a copy, the workspace, or
+        ``out`` itself when no step changes it or it is ``owned``)."""
         changes = (metadata.min_p, metadata.top_k, metadata.top_p) != (None, None, None)
         temperature = metadata.temperature
-        if metadata.sampled_rows is not None:
-            logits = out.index_select(0, metadata.sampled_rows)  # [Rs, vocab], a copy
+        if metadata.dense_rows is not None:
+            logits = out.index_select(0, metadata.dense_rows)  # [Rd, vocab], a copy
             if temperature is not None:
                 logits.div_(temperature)
         elif temperature is not None:  # the copy into the workspace divides on the way
@@ -229,10 +252,12 @@ class BatchLogitsPipeline:
             _on_rows(logits, metadata.top_k.rows, self._top_k_step(metadata.top_k))
         if metadata.top_p is not None:
             _on_rows(logits, metadata.top_p.rows, _top_p_step(metadata.top_p.values))
-        # Into the workspace: a fresh [R, vocab] output of every forward cost more in page
-        # faults than the softmax itself on a CPU (docs/bench/history.md).
-        probs = self._buffer("probs", *logits.shape, torch.float32, logits.device)
-        return torch.softmax(logits, dim=-1, out=probs)
+        return logits
+
+    def _rows(self, out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """A copy of ``out[rows]`` in the workspace."""
+        target = self._buffer("rows", len(rows), out.shape[1], out.dtype, out.device)
+        return torch.index_select(out, 0, rows, out=target)
 
     def _copy(self, logits: torch.Tensor) -> torch.Tensor:
         return self._buffer("logits", *logits.shape, torch.float32, logits.device).copy_(logits)
@@ -263,28 +288,6 @@ class BatchLogitsPipeline:
             buffer = torch.empty(rows, vocab_size, dtype=dtype, device=device)
             self._buffers[name] = buffer
         return buffer[:rows]
-
-
-def top_values(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The k largest values of each row, descending, ``[n, vocab] -> [n, k]``: exactly
-    ``torch.topk(logits, k).values``, in about half its time when k is small next to the vocab.
-
-    The row is cut into chunks of ``TOPK_CHUNK`` (and a shorter tail); one topk picks the k
-    chunks with the largest maxima, a second the k largest values among those chunks and the
-    tail. Why nothing is missed: were the j-th largest value v of the row (j <= k) in a chunk
-    not picked, whose maximum is >= v, each of the k picked chunks would have a maximum >= v:
-    k values >= v are among the candidates anyway. Only values are compared, no arithmetic.
-    """
-    rows, vocab_size = logits.shape
-    if k * TOPK_CHUNK * 4 > vocab_size:  # too few chunks to gain: one topk over the row
-        return torch.topk(logits, k, dim=-1).values
-    num_chunks = vocab_size // TOPK_CHUNK
-    head = logits[:, : num_chunks * TOPK_CHUNK].view(rows, num_chunks, TOPK_CHUNK)
-    picked = torch.topk(head.amax(dim=-1), k, dim=-1).indices  # [n, k] chunks
-    chunks = head.gather(1, picked[..., None].expand(rows, k, TOPK_CHUNK))  # [n, k, chunk]
-    tail = logits[:, num_chunks * TOPK_CHUNK :]  # [n, vocab % chunk]
-    candidates = torch.cat([chunks.view(rows, k * TOPK_CHUNK), tail], dim=1)
-    return torch.topk(candidates, k, dim=-1).values
 
 
 def _fill_neg_inf(logits: torch.Tensor, mask: torch.Tensor) -> None:
@@ -421,6 +424,8 @@ class _Staging:
         """``value`` with each :class:`_Staged` (in a field of a dataclass too) replaced."""
         if isinstance(value, _Staged):
             return tensors[value.index]
+        if isinstance(value, tuple):
+            return tuple(_Staging.resolve(item, tensors) for item in value)
         if value is None or not is_dataclass(value):
             return value
         staged = {f.name: _Staging.resolve(getattr(value, f.name), tensors) for f in fields(value)}
@@ -467,14 +472,18 @@ class _Rows:
     def of(self, requests: list[int], within: list[int] | None = None) -> _Staged | None:
         """The rows of ``requests``, counted in the round (``within`` None) or among the rows
         of ``within``'s requests; None when they are all of them."""
+        rows, num_all = self.indices(requests, within)
+        return None if len(rows) == num_all else self.staged.ints(rows)
+
+    def indices(self, requests: list[int], within: list[int] | None) -> tuple[list[int], int]:
+        """The rows of ``requests`` (see :meth:`of`), and how many rows there are in all."""
         if within is None:
             first, num_all = self.starts, sum(self.num_rows)
         else:
             first, num_all = {}, 0
             for i in within:
                 first[i], num_all = num_all, num_all + self.num_rows[i]
-        rows = [first[i] + j for i in requests for j in range(self.num_rows[i])]
-        return None if len(rows) == num_all else self.staged.ints(rows)
+        return [first[i] + j for i in requests for j in range(self.num_rows[i])], num_all
 
 
 def _stage_additive(rows: _Rows, pipelines) -> Additive | None:
@@ -564,3 +573,22 @@ def _stage_sampled_steps(rows: _Rows, pipelines, sampled: list[int], vocab_size:
         kth_index = None if len(set(ks)) == 1 else staged.ints([k - 1 for k in ks], column=True)
         steps["top_k"] = TopK(rows.of(requests, sampled), kth_index, max(ks))
     return steps
+
+
+def _stage_top_k_groups(rows: _Rows, pipelines, sampled: list[int], grouped: set[int]):
+    """One group per k of the ``grouped`` requests (W depends on k alone: each row gets the
+    bits the reference gives it)."""
+    groups = []
+    for top_k in sorted({pipelines[i].params.top_k for i in grouped}):
+        requests = [i for i in sampled if i in grouped and pipelines[i].params.top_k == top_k]
+        temperatures = rows.per_row(requests, lambda i: pipelines[i].params.temperature)
+        temperature = None if set(temperatures) == {1.0} else rows.staged.floats(temperatures)
+        slots = rows.of(requests, sampled)
+        groups.append(TopKGroup(top_k, rows.of(requests), slots, temperature))
+    return tuple(groups)
+
+
+def _runs(values: list[int]) -> tuple[tuple[int, int, int], ...]:
+    """Runs of consecutive values: (first position, first value, length) each."""
+    runs = (list(run) for _, run in groupby(enumerate(values), lambda pair: pair[1] - pair[0]))
+    return tuple((run[0][0], run[0][1], len(run)) for run in runs)

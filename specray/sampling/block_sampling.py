@@ -37,7 +37,7 @@ def block_masses(rows: torch.Tensor) -> torch.Tensor:
         parts.append(rows[:, : full * BLOCK].reshape(n, full, BLOCK).sum(dim=-1))
     if vocab > full * BLOCK:
         parts.append(rows[:, full * BLOCK :].sum(dim=-1, keepdim=True))
-    return torch.cat(parts, dim=1).to(torch.float64)
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(torch.float64)
 
 
 def sample_blocked(

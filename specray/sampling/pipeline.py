@@ -10,6 +10,10 @@ Order of operations (each step a no-op when its parameter is at the default):
   2. repetition penalty (prompt + output tokens), presence and frequency penalties (output)
   3. greedy: one-hot at the argmax (ties -> lowest id); otherwise
   4. temperature, 5. min-p, 6. top-k (ties at the k-th value kept), 7. top-p, 8. softmax
+
+On a CPU, steps 4-8 of a request whose only step after temperature is top-k run as a softmax
+over the top candidates (:mod:`specray.sampling.top_k`): the same distribution, without a pass
+over the row per step.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from specray.sampling.params import SamplingParams
+from specray.sampling.top_k import takes_candidates, top_k_probs
 
 NEG_INF = float("-inf")
 
@@ -199,8 +204,15 @@ class LogitsPipeline:
         if params.greedy:
             one_hot = torch.zeros_like(out)
             return one_hot.scatter_(-1, out.argmax(dim=-1, keepdim=True), 1.0)
+        temperature = None
         if params.temperature != 1.0:
-            out = out / self.device_parts(out.device).temperature
+            temperature = self.device_parts(out.device).temperature
+        if takes_candidates(params, self.vocab_size, out.device):  # top-k only, on a CPU
+            if temperature is not None:
+                temperature = temperature.expand(out.shape[0], 1)  # [rows, 1]
+            return top_k_probs(out, temperature, params.top_k).write(torch.zeros_like(out))
+        if temperature is not None:
+            out = out / temperature
         if params.min_p > 0.0:
             probs = torch.softmax(out, dim=-1)
             threshold = params.min_p * probs.max(dim=-1, keepdim=True).values  # [rows, 1]

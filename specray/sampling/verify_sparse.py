@@ -82,8 +82,12 @@ class DraftProbsBatch:
             rows = getattr(block, field)  # [n, M_b]
             return F.pad(rows, (0, width - rows.shape[1], 0, k - rows.shape[0]))  # [k, M]
 
-        token_ids = torch.stack([padded(b, "token_ids", torch.int64) for b in blocks])
-        values = torch.stack([padded(b, "values", torch.float32) for b in blocks])
+        if all(isinstance(b, SparseDraftProbs) and b.values.shape == (k, width) for b in blocks):
+            token_ids = torch.stack([b.token_ids for b in blocks])  # every block full: no pads
+            values = torch.stack([b.values for b in blocks])
+        else:
+            token_ids = torch.stack([padded(b, "token_ids", torch.int64) for b in blocks])
+            values = torch.stack([padded(b, "values", torch.float32) for b in blocks])
         return DraftProbsBatch(token_ids=token_ids.to(device), values=values.to(device))
 
 

@@ -14,14 +14,16 @@ import pytest
 import torch
 
 from specray.sampling import LogitsPipeline, SamplingParams, SamplingParamsError
-from specray.sampling.batch_pipeline import (
+from specray.sampling.batch_pipeline import BatchLogitsPipeline, SamplingMetadata
+from specray.sampling.top_k import (
     TOPK_CHUNK,
-    BatchLogitsPipeline,
-    SamplingMetadata,
-    top_values,
+    candidate_width,
+    takes_candidates,
+    top_k_probs,
 )
 
 NUM_SETS = 320  # random request sets in the equality test
+CPU = torch.device("cpu")
 
 
 def random_params(rng: random.Random, vocab_size: int) -> SamplingParams:
@@ -117,6 +119,7 @@ def coverage(pipelines, logits) -> Counter:
             kth = torch.topk(rows, params.top_k, dim=-1).values[:, -1:]
             seen["ties at the k-th value"] += bool(((rows >= kth).sum(-1) > params.top_k).any())
             seen["top-k over chunks"] += params.top_k * TOPK_CHUNK * 4 <= pipeline.vocab_size
+            seen["top-k candidates"] += takes_candidates(params, pipeline.vocab_size, CPU)
     seen["mixed"] += 0 < seen["greedy"] < len(pipelines)
     return seen
 
@@ -142,6 +145,7 @@ def test_batched_pass_is_bit_identical_to_the_reference():
             continue
         assert seen[option] >= 20, (option, seen)
     assert seen["ties at the k-th value"] >= 10 and seen["top-k over chunks"] >= 10, seen
+    assert seen["top-k candidates"] >= 20, seen
 
 
 def test_flat_logits_and_bf16_give_the_same_results():
@@ -155,21 +159,6 @@ def test_flat_logits_and_bf16_give_the_same_results():
         got = BatchLogitsPipeline().run(metadata, torch.cat(logits))  # [R, vocab] bf16
         for want, have in zip(expected, got, strict=True):
             assert torch.equal(want, have)
-
-
-@pytest.mark.parametrize("vocab_size", [64 * 40, 64 * 40 + 37, 10_007])
-def test_top_values_over_chunks_equal_torch_topk(vocab_size):
-    generator = torch.Generator().manual_seed(vocab_size)
-    for kind in ("normal", "ties", "few finite"):
-        logits = torch.randn(12, vocab_size, generator=generator)
-        if kind == "ties":  # many chunks share their maximum
-            logits = torch.randint(-2, 3, (12, vocab_size), generator=generator).float()
-        if kind == "few finite":  # after min-p: -inf almost everywhere
-            finite = torch.rand(12, vocab_size, generator=generator) < 0.002
-            logits = logits.masked_fill(~finite, -math.inf)
-        for k in (1, 2, 7, vocab_size // (TOPK_CHUNK * 4)):
-            assert k * TOPK_CHUNK * 4 <= vocab_size  # the chunked path
-            assert torch.equal(top_values(logits, k), torch.topk(logits, k, dim=-1).values)
 
 
 def nudged(params: SamplingParams, name: str) -> SamplingParams:
@@ -219,15 +208,27 @@ def test_worked_example_of_the_module_docstring():
 
 def test_unused_steps_are_not_in_the_metadata():
     plain = LogitsPipeline(SamplingParams(top_k=5), 50)
-    metadata = SamplingMetadata.build([plain, plain], [3, 2], [[], [1]], [[1, 2], [3]], "cpu")
-    assert metadata.sampled_rows is None and metadata.greedy_rows is None is metadata.additive
-    assert metadata.penalties is None and metadata.temperature is None
-    assert metadata.min_p is None and metadata.top_p is None
-    assert metadata.top_k.rows is None and metadata.top_k.kth_index is None  # one k for all
+    for device in ("cpu", "meta"):  # on a CPU the top-k requests form a group instead
+        metadata = SamplingMetadata.build([plain, plain], [3, 2], [[], [1]], [[1, 2], [3]], device)
+        assert metadata.greedy_rows is None is metadata.additive is metadata.penalties
+        assert metadata.temperature is None and metadata.min_p is None is metadata.top_p
+        if device == "meta":
+            assert metadata.dense_rows is None and metadata.top_k_groups == ()
+            assert metadata.top_k.rows is None and metadata.top_k.kth_index is None  # one k
+        else:
+            assert metadata.top_k is None and metadata.dense_runs == ()
+            (group,) = metadata.top_k_groups
+            assert group.top_k == 5 and group.rows is None is group.slots is group.temperature
     greedy = LogitsPipeline(SamplingParams(temperature=0.0, presence_penalty=1.0), 50)
-    metadata = SamplingMetadata.build([greedy, plain], [3, 2], [[], [1]], [[1, 2], [3]], "cpu")
+    nucleus = LogitsPipeline(SamplingParams(top_p=0.5), 50)
+    metadata = SamplingMetadata.build(
+        [greedy, nucleus, plain, nucleus], [3, 2, 1, 2], [[]] * 4, [[1, 2], [3], [], [4]], "cpu"
+    )
     assert metadata.greedy_rows.tolist() == [0, 1, 2]
-    assert metadata.sampled_rows.tolist() == [3, 4]
+    assert metadata.dense_rows.tolist() == [3, 4, 6, 7]
+    assert metadata.dense_runs == ((0, 0, 2), (2, 3, 2))  # the top-k row (5) between them
+    assert metadata.top_k_groups[0].rows.tolist() == [5]
+    assert metadata.top_k_groups[0].slots.tolist() == [2]
     assert metadata.penalties.rows.tolist() == [0, 1, 2]
     assert metadata.penalties.frequency is None and metadata.penalties.repetition is None
     assert metadata.penalties.candidate_row.tolist() == [1, 2, 2]  # row j: candidates[:j]
@@ -260,3 +261,52 @@ def test_inputs_are_checked_up_front(candidates, outputs, message):
     pipelines = [LogitsPipeline(SamplingParams(), 10)]
     with pytest.raises(ValueError, match=message):
         BatchLogitsPipeline()(pipelines, [torch.zeros(3, 10)], outputs, candidates)
+
+
+def top_k_request_set(vocab_size: int):
+    """Top-k requests of several k and temperatures (one k twice, apart), over logits with
+    ties (bfloat16) and with more ties at the k-th value than the slack, between requests of
+    every other kind."""
+    generator = torch.Generator().manual_seed(vocab_size)
+    plain_k = [(1, 1.0), (20, 0.8), (50, 0.8), (7, 2.0), (50, 1.0), (300, 0.5)]
+    params = [SamplingParams(temperature=t, top_k=k) for k, t in plain_k]
+    params[2:2] = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
+        SamplingParams(top_k=50, min_p=0.05),
+        SamplingParams(temperature=0.9, top_k=20, repetition_penalty=1.3, logit_bias={3: 4.0}),
+    ]
+    pipelines = [LogitsPipeline(p, vocab_size, [1, 2, 3]) for p in params]
+    logits = []
+    for index in range(len(pipelines)):
+        rows = 2.0 * torch.randn(3, vocab_size, generator=generator)
+        if index % 2:
+            rows = rows.to(torch.bfloat16).float()
+        logits.append(rows)
+    tied = torch.randperm(vocab_size, generator=generator)[: candidate_width(50)]
+    logits[6][1, tied] = 7.5  # request 6 (top_k 50): W ids tie at the k-th value, row 1
+    outputs = [[5, 5, 6]] * len(pipelines)
+    candidates = [[7, 8]] * len(pipelines)
+    return pipelines, logits, outputs, candidates
+
+
+@pytest.mark.parametrize("vocab_size", [3_000, 128_256])
+def test_top_k_groups_are_bit_identical_to_the_reference(vocab_size):
+    pipelines, logits, outputs, candidates = top_k_request_set(vocab_size)
+    flat = torch.cat(logits)  # views of one tensor, read in place
+    logits = list(flat.split([rows.shape[0] for rows in logits]))
+    metadata = SamplingMetadata.build(pipelines, [3] * len(logits), outputs, candidates, "cpu")
+    assert [group.top_k for group in metadata.top_k_groups] == [1, 7, 20, 50, 300]
+    assert metadata.dense_runs  # the greedy, top-p, min-p requests run beside the groups
+    assert takes_candidates(pipelines[6].params, vocab_size, CPU)
+    overflow = top_k_probs(logits[6], torch.full((3, 1), 0.8), 50).overflow
+    assert overflow.tolist() == [1]  # the dense math's fallback runs too
+    expected = reference(pipelines, logits, outputs, candidates)
+    batch = BatchLogitsPipeline()
+    for _ in range(2):  # a reused workspace holds the last round's values
+        got = batch.run(metadata, logits)
+        for request, (want, have) in enumerate(zip(expected, got, strict=True)):
+            assert torch.equal(want, have), (request, pipelines[request].params)
+    for request, pipeline in enumerate(pipelines):  # alone: the same bits
+        args = [pipeline], logits[request : request + 1], outputs[:1], candidates[:1]
+        assert torch.equal(batch(*args)[0], expected[request]), request

@@ -35,7 +35,7 @@ def test_tiny_run_reports_every_figure(capsys):
         "k": 3,
         "encoding": "top64",
         "threads": 1,
-        "repeats": 5,
+        "repeats": 15,
         "seed": 0,
     }
     for figures in (report, report["dense"]):
