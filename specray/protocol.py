@@ -175,6 +175,7 @@ class Submit:
     params: SamplingParams
     timeout_s: float | None = None
     num_speculative_tokens: int | None = None  # this request's largest k (None: the group's)
+    fixed_k: bool = False  # speculation "on": that k every round, whatever the policy says
     committed_token_ids: tuple[int, ...] = ()  # already delivered (a resumed request)
     # False: the caller waits for the whole output, so the session sends the request's first
     # tokens (they also say it was admitted), then its progress at most every

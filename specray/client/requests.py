@@ -26,7 +26,7 @@ SAMPLING_PARAMS = (  # as specray.sampling.SamplingParams
     "max_tokens",
     "seed",
 )
-REQUEST_OPTIONS = ("stop", "num_speculative_tokens", "request_id")
+REQUEST_OPTIONS = ("stop", "num_speculative_tokens", "speculation", "request_id")
 
 
 def build_request(
@@ -36,7 +36,8 @@ def build_request(
     options: Mapping[str, Any],
 ) -> pb.GenerateRequest:
     """The request for one prompt form and ``options`` (sampling parameters, ``stop``,
-    ``num_speculative_tokens``, ``request_id``); options set to None are left unset."""
+    ``num_speculative_tokens``, ``speculation``: "auto", "on" or "off", ``request_id``);
+    options set to None are left unset."""
     given = [
         name
         for name, value in (

@@ -136,6 +136,7 @@ class AsyncEngineCoreClient:
         request_id: str | None = None,
         timeout_s: float | None = None,
         num_speculative_tokens: int | None = None,
+        fixed_k: bool = False,
         committed_token_ids: Sequence[int] = (),
         stream: bool = True,
     ) -> AsyncClientStream:
@@ -151,6 +152,7 @@ class AsyncEngineCoreClient:
             params,
             timeout_s=timeout_s,
             num_speculative_tokens=num_speculative_tokens,
+            fixed_k=fixed_k,
             committed_token_ids=tuple(committed_token_ids),
             stream=stream,
         )

@@ -6,15 +6,17 @@ Per micro-batch and round one K comes from :func:`specray.engine_core.policy.cho
 requests' measured per-position acceptance and the group's measured costs (verify time as a
 function of batch and tokens, draft step time, network round trip): a round costs what its
 longest block costs, so every request drafts K (fewer only near its max_tokens). K = 0 runs the
-batch target-only, and it is probed again after ``probe_every_rounds`` rounds; the micro-batch
-carries what that needs from round to round in a :class:`ProbeState`.
+batch target-only. Probing is each request's own (a :class:`RequestProbe` it carries from round
+to round): a request that never drafted is probed at its first chance, and one at k = 0 again
+after ``probe_every_rounds`` of its rounds (doubling per probe that found no gain), so a
+request the draft serves badly cannot hold speculation off for the requests after it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specray.engine_core.coordinator_config import CoordinatorConfig
 from specray.engine_core.policy import (
@@ -26,7 +28,8 @@ from specray.engine_core.policy import (
     should_probe,
 )
 
-SCOUT_REQUESTS = 2  # requests that re-measure acceptance while the group's says "do not draft"
+SCOUT_REQUESTS = 2  # probes per round (and untried requests handed to the draft) while the
+# group's acceptance says "do not draft"
 
 
 @dataclass(frozen=True)
@@ -41,12 +44,12 @@ class Measurements:
 
 
 @dataclass(frozen=True)
-class ProbeState:
-    """What one micro-batch's block-length choice remembers from its earlier rounds."""
+class RequestProbe:
+    """What a request's block-length choice remembers from its earlier rounds."""
 
-    speculating: bool = False  # the policy's last choice: K > 0 (probes do not count)
-    rounds_off: int = 0  # rounds in a row without drafts
-    failed_probes: int = 0  # probes in a row that found no gain
+    tried: bool = False  # it has drafted (a probe, or the policy's K): it showed its acceptance
+    rounds_off: int = 0  # its rounds in a row without drafts since then
+    failed_probes: int = 0  # its probes in a row that did not bring speculation back
 
 
 def overlap(config: CoordinatorConfig, *, pipelined: bool) -> dict:
@@ -134,6 +137,7 @@ def split_pays(
 
 def draft_prefills_wanted(
     num_fresh: int,
+    num_untried: int,
     batch_size: int,
     measured: Measurements,
     config: CoordinatorConfig,
@@ -141,66 +145,79 @@ def draft_prefills_wanted(
     has_drafts: bool,
 ) -> int:
     """How many of a micro-batch's ``num_fresh`` requests the draft workers have not seen to
-    hand them now (the first ones): all while the batch would speculate; otherwise only enough
-    for SCOUT_REQUESTS scouts, and none if speculation cannot pay at this batch size. A draft
-    prefill computes beside the target (on a shared host it slowed the target's rounds ~10% at
-    concurrency 16 here) and is wasted on a request that never drafts; the others are handed
-    over when speculation comes back. E.g. 16 requests, 15 of them fresh, the group's
-    acceptance saying no: 1 (one scout is held already)."""
+    hand them now (the first ones): all while the batch would speculate; otherwise enough that
+    SCOUT_REQUESTS requests wait for their first try (``num_untried`` of those the draft workers
+    hold already have never drafted), and none if speculation cannot pay at this batch size.
+    So every request gets its chance to show its acceptance, a few at a time. A draft prefill
+    computes beside the target (on a shared host it slowed the target's rounds ~10% at
+    concurrency 16 here) and is wasted on a request that never drafts. E.g. 16 requests, 15 of
+    them fresh, one held and untried, the group's acceptance saying no: 1."""
     if not config.adaptive_k or group_would_speculate(batch_size, measured, config):
         return num_fresh
     if not could_pay(batch_size, measured, config, has_drafts=has_drafts):
         return 0
-    held = batch_size - num_fresh
-    return min(max(SCOUT_REQUESTS - held, 0), num_fresh)
+    return min(max(SCOUT_REQUESTS - num_untried, 0), num_fresh)
 
 
 def choose_ks(
     caps: Sequence[int],
     acceptances: Sequence[Sequence[float]],
     fixed: Sequence[bool],
+    probes: Sequence[RequestProbe],
     last_drafted_steps: Sequence[int],
-    probe: ProbeState,
+    speculating: bool,
     measured: Measurements,
     config: CoordinatorConfig,
     *,
     has_drafts: bool,
-) -> tuple[list[int], ProbeState]:
-    """k per request of one micro-batch round, and the micro-batch's probe state after it.
+) -> tuple[list[int], list[RequestProbe], bool]:
+    """k per request of one micro-batch round, each request's probe state after it, and
+    whether the micro-batch speculated (the policy's hysteresis).
 
     Request i may draft at most ``caps[i]`` tokens (0: not this round); ``acceptances[i]`` is
-    its α_1..α_num_speculative_tokens, ``last_drafted_steps[i]`` its step when it last drafted
-    (0: never). The k is the policy's (:func:`policy_ks`), but a ``fixed`` request drafts its
-    cap every round after its first (that one prefills it on the target: cap 0, whatever
-    happens)."""
-    ks, probe = policy_ks(
-        caps, acceptances, last_drafted_steps, probe, measured, config, has_drafts=has_drafts
+    its α_1..α_num_speculative_tokens, ``probes[i]`` its probing so far,
+    ``last_drafted_steps[i]`` its step when it last drafted (0: never). The k is the policy's
+    (:func:`policy_ks`), but a ``fixed`` request (speculation "on", or seeded under
+    reproducible_seeds) drafts its cap every round after its first (that one prefills it on the
+    target: cap 0, whatever happens)."""
+    ks, probes, speculating = policy_ks(
+        caps,
+        acceptances,
+        probes,
+        last_drafted_steps,
+        speculating,
+        measured,
+        config,
+        has_drafts=has_drafts,
     )
-    return [cap if fixed_k else k for fixed_k, cap, k in zip(fixed, caps, ks, strict=True)], probe
+    ks = [cap if fixed_k else k for fixed_k, cap, k in zip(fixed, caps, ks, strict=True)]
+    return ks, probes, speculating
 
 
 def policy_ks(
     caps: Sequence[int],
     acceptances: Sequence[Sequence[float]],
+    probes: Sequence[RequestProbe],
     last_drafted_steps: Sequence[int],
-    probe: ProbeState,
+    speculating: bool,
     measured: Measurements,
     config: CoordinatorConfig,
     *,
     has_drafts: bool,
-) -> tuple[list[int], ProbeState]:
+) -> tuple[list[int], list[RequestProbe], bool]:
     """k per request: one block length for the batch (a round costs what its longest block
-    costs), cut by each request's cap. When the batch has not speculated for
-    ``probe_every_rounds`` rounds it probes, so that acceptance is re-measured and
-    speculation comes back when it pays again.
+    costs), cut by each request's cap. When the batch does not speculate, the requests whose
+    probe is due draft probe_k tokens, so that their acceptance is measured and speculation
+    comes back when it pays: a request that never drafted at once, the others after
+    ``probe_every_rounds`` of their own rounds without drafts (doubled per failed probe).
 
-    While the group's acceptance says "do not draft", a probe re-measures it on
-    SCOUT_REQUESTS scouts, the requests that drafted longest ago, instead of the whole batch
-    (at batch 16, two more verified tokens for everyone cost 2.6x a step here); everyone
-    probes once it says yes. E.g. caps [4, 4, 0, 4], last drafted at steps [9, 3, 0, 5]: the
-    probe drafts probe_k = 2 for requests 1 and 3: [0, 2, 0, 2]."""
+    While the group's acceptance says "do not draft", at most SCOUT_REQUESTS of them probe in
+    a round (at batch 16, two more verified tokens for everyone cost 2.6x a step here): the
+    untried first, then those that drafted longest ago; everyone due probes once it says yes.
+    E.g. caps [4, 4, 0, 4], all due, last drafted at steps [9, 3, 0, 5], the group saying no:
+    [0, 2, 0, 2]."""
     if not config.adaptive_k:
-        return list(caps), probe
+        return list(caps), list(probes), speculating
     ks = [0] * len(caps)
     if any(caps):
         block = choose_batch_k(
@@ -210,21 +227,38 @@ def policy_ks(
             draft=measured.draft,
             rtt_s=measured.rtt_s,
             config=config.policy,
-            speculating=probe.speculating,
+            speculating=speculating,
             **overlap(config, pipelined=measured.pipelined),
         )
         ks = [min(block, cap) for cap in caps]
-    if any(ks):
-        return ks, ProbeState(speculating=True)
-    rounds_off, failed = probe.rounds_off + 1, probe.failed_probes
-    probe_due = should_probe(rounds_off, config.policy, failed)
-    if any(caps) and probe_due and could_pay(len(caps), measured, config, has_drafts=has_drafts):
-        # failed_probes is reset when speculation comes back
-        after = ProbeState(speculating=False, rounds_off=0, failed_probes=failed + 1)
-        probe_ks = [min(config.policy.probe_k, cap) for cap in caps]
-        if group_would_speculate(len(caps), measured, config):
-            return probe_ks, after
-        able = [i for i, cap in enumerate(caps) if cap]
-        scouts = sorted(able, key=lambda i: last_drafted_steps[i])[:SCOUT_REQUESTS]
-        return [k if i in scouts else 0 for i, k in enumerate(probe_ks)], after
-    return ks, ProbeState(speculating=False, rounds_off=rounds_off, failed_probes=failed)
+    if any(ks):  # speculation pays: whoever drafts is back, its failed probes forgotten
+        after = [
+            RequestProbe(tried=True) if k else _waited(probe, cap)
+            for probe, k, cap in zip(probes, ks, caps, strict=True)
+        ]
+        return ks, after, True
+    after = [_waited(probe, cap) for probe, cap in zip(probes, caps, strict=True)]
+    if not could_pay(len(caps), measured, config, has_drafts=has_drafts):
+        return ks, after, False
+    due = [
+        i
+        for i, cap in enumerate(caps)
+        if cap
+        and (
+            not probes[i].tried
+            or should_probe(after[i].rounds_off, config.policy, probes[i].failed_probes)
+        )
+    ]
+    due.sort(key=lambda i: (probes[i].tried, last_drafted_steps[i]))
+    if not group_would_speculate(len(caps), measured, config):
+        due = due[:SCOUT_REQUESTS]
+    for i in due:
+        ks[i] = min(config.policy.probe_k, caps[i])
+        # failed_probes is reset when the policy's K includes it again
+        after[i] = RequestProbe(tried=True, failed_probes=probes[i].failed_probes + 1)
+    return ks, after, False
+
+
+def _waited(probe: RequestProbe, cap: int) -> RequestProbe:
+    """A round without drafts: it counts toward the next probe if the request could draft."""
+    return replace(probe, rounds_off=probe.rounds_off + 1) if cap else probe

@@ -200,6 +200,7 @@ class EngineCoreClient:
                     params,
                     timeout_s=options.get("timeout_s"),
                     num_speculative_tokens=options.get("num_speculative_tokens"),
+                    fixed_k=options.get("fixed_k", False),
                     committed_token_ids=committed,
                     stream=options.get("stream", True),
                 )
@@ -215,7 +216,8 @@ class EngineCoreClient:
     def submit(
         self, prompt_token_ids: list[int], params: SamplingParams | None = None, **options
     ) -> ClientStream:
-        """``options``: request_id, timeout_s, num_speculative_tokens, committed_token_ids,
+        """``options``: request_id, timeout_s, num_speculative_tokens, fixed_k (speculation
+        "on": that k every round), committed_token_ids,
         stream (False: only the whole output is wanted, so the engine core sends the first
         tokens, progress every ``sessions.PROGRESS_INTERVAL_S`` and the end, not every round)."""
         return self.submit_many([(prompt_token_ids, params or SamplingParams(), options)])[0]

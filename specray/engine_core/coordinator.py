@@ -39,7 +39,6 @@ from specray.engine_core import admission
 from specray.engine_core.backends import DraftBackend, TargetBackend
 from specray.engine_core.block_length import (
     Measurements,
-    ProbeState,
     choose_ks,
     draft_prefills_wanted,
     split_pays,
@@ -80,6 +79,7 @@ __all__ = [  # the config, its priors and the stats are defined beside; import t
 log = logging.getLogger(__name__)
 RTT_PROBE_INTERVAL_S = 0.5  # how often the coordinator times a no-op call to the target
 GROUP_ACCEPTANCE_DECAY = 0.99  # the group's running acceptance: new requests start from it
+NEUTRAL_PRIOR = 0.5  # a new request's acceptance prior when the group's is lower
 REQUEST_PRIOR_WEIGHT = 4.0  # pseudo-observations of that prior in a request's own estimate
 STOP_GRACE_S = 5.0  # how long stop() waits for releases still under way before cancelling
 
@@ -132,7 +132,8 @@ class Coordinator:
             ),
             on_failure=lambda: record_draft_failure(self.stats, self.metrics),
         )  # fmt: skip
-        self._probes = [ProbeState()] * config.num_micro_batches  # block-length memory
+        # per micro-batch: did its last round speculate (the policy's hysteresis)
+        self._speculating = [False] * config.num_micro_batches
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -179,15 +180,17 @@ class Coordinator:
         request_id: str | None = None,
         timeout_s: float | None = None,
         num_speculative_tokens: int | None = None,
+        fixed_k: bool = False,
         committed_token_ids: Sequence[int] = (),
     ) -> RequestStream:
         """Admit a request or fail at once: invalid input, queue full, or draining.
 
         ``num_speculative_tokens`` caps this request's k below the group's (0: speculation off
-        for it; None: the group's largest k). ``committed_token_ids``: output tokens already
-        committed (a request resumed after a failure): they count toward ``max_tokens``, are
-        not streamed again, and generation continues after them — exact, since each token is
-        drawn from the target conditioned on all before it."""
+        for it; None: the group's largest k); ``fixed_k`` (speculation "on"): it drafts that k
+        every round, whatever the policy would choose. ``committed_token_ids``: output tokens
+        already committed (a request resumed after a failure): they count toward
+        ``max_tokens``, are not streamed again, and generation continues after them — exact,
+        since each token is drawn from the target conditioned on all before it."""
         params = params or SamplingParams()
         if self._draining:
             raise UnavailableError("the coordinator is draining; retry on another replica")
@@ -228,7 +231,8 @@ class Coordinator:
             deadline_s=now + timeout_s if timeout_s is not None else None,
             estimator=self._new_estimator(),
             max_k=max_k,
-            fixed_k=self.config.reproducible_seeds and params.seed is not None and max_k > 0,
+            fixed_k=max_k > 0
+            and (fixed_k or (self.config.reproducible_seeds and params.seed is not None)),
         )
         self._requests[request_id] = request
         if state.finish_reason is not None:  # resumed after its last token: only the end left
@@ -241,11 +245,14 @@ class Coordinator:
         return request.stream
 
     def _new_estimator(self) -> AcceptanceEstimator:
-        """A request starts from what this group's requests accepted lately, not from a fixed
-        guess: one early rejection then does not switch a good draft off."""
+        """A request starts from what this group's requests accepted lately when that is
+        better than a neutral guess (one early rejection then does not switch a good draft
+        off), never below it: requests the draft served badly must not talk a new one out of
+        its chance (its first probe, :func:`~specray.engine_core.block_length.policy_ks`)."""
         group_alpha = self._group_acceptance.acceptance(1)[0]
         return AcceptanceEstimator(
-            prior_alpha=min(max(group_alpha, 0.05), 0.95), prior_weight=REQUEST_PRIOR_WEIGHT
+            prior_alpha=min(max(group_alpha, NEUTRAL_PRIOR), 0.95),
+            prior_weight=REQUEST_PRIOR_WEIGHT,
         )
 
     @property
@@ -445,16 +452,19 @@ class Coordinator:
     def _choose_ks(self, index: int, requests: list[Request]) -> list[int]:
         caps = [self._cap(request) for request in requests]
         max_k = self.config.num_speculative_tokens
-        ks, self._probes[index] = choose_ks(
+        ks, probes, self._speculating[index] = choose_ks(
             caps,
             [r.estimator.acceptance(max_k) for r in requests],
             [r.fixed_k for r in requests],
+            [r.probe for r in requests],
             [r.last_drafted_step for r in requests],
-            self._probes[index],
+            self._speculating[index],
             self._measured(),
             self.config,
             has_drafts=self._pool is not None,
         )
+        for request, probe in zip(requests, probes, strict=True):
+            request.probe = probe
         return ks
 
     def _start_draft_prefills(self, batch: list[Request]) -> None:
@@ -466,8 +476,11 @@ class Coordinator:
         fresh = [r for r in batch if r.draft_phase is DraftPhase.UNSEEN and not r.fixed_k]
         if not fresh:  # the usual round: nothing to decide
             return
+        untried = sum(
+            1 for r in batch if r.draft_phase is not DraftPhase.UNSEEN and not r.probe.tried
+        )
         wanted = draft_prefills_wanted(
-            len(fresh), len(batch), self._measured(), self.config, has_drafts=True
+            len(fresh), untried, len(batch), self._measured(), self.config, has_drafts=True
         )
         self._pool.start_prefills(fresh[:wanted])
 

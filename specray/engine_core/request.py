@@ -28,6 +28,7 @@ import enum
 from dataclasses import dataclass, field
 
 from specray.core import RequestState
+from specray.engine_core.block_length import RequestProbe
 from specray.engine_core.policy import AcceptanceEstimator
 from specray.engine_core.streams import RequestStream
 from specray.errors import DeadlineExceededError
@@ -70,11 +71,13 @@ class Request:
     deadline_s: float | None  # on the loop's clock
     estimator: AcceptanceEstimator
     max_k: int  # this request's largest k (0: it never speculates)
-    fixed_k: bool = False  # seeded under reproducible_seeds: always max_k (see the config)
+    # always max_k: speculation "on", or seeded under reproducible_seeds (see the config)
+    fixed_k: bool = False
     draft_worker: int | None = None
     batch_index: int = 0  # the micro-batch it joined (its draft worker group)
     last_k: int = 0  # the k of its latest round
     last_drafted_step: int = 0  # its step when it last drafted (0: never)
+    probe: RequestProbe = field(default_factory=RequestProbe)  # its own probing
     target_phase: TargetPhase = TargetPhase.NEW
     target_prefilled: int = 0  # context tokens the target has cached (chunked prefill)
     draft_phase: DraftPhase = DraftPhase.UNSEEN

@@ -93,6 +93,7 @@ class Session:
                 request_id=submit.request_id,
                 timeout_s=submit.timeout_s,
                 num_speculative_tokens=submit.num_speculative_tokens,
+                fixed_k=submit.fixed_k,
                 committed_token_ids=submit.committed_token_ids,
             )
         except SpecrayError as error:

@@ -92,6 +92,7 @@ def request_from_proto(message: pb.GenerateRequest, *, timeout_s: float | None) 
         num_speculative_tokens=message.num_speculative_tokens
         if message.HasField("num_speculative_tokens")
         else None,
+        speculation=message.speculation or "auto",
         request_id=message.request_id or None,
         timeout_s=timeout_s,
         stream=not message.final_only,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specray.errors import InvalidRequestError, SpecrayError
-from specray.serve.protocol import GenerateRequest, check_messages
+from specray.serve.protocol import SPECULATION_MODES, GenerateRequest, check_messages
 
 MAX_CHOICES = 128  # prompts x n in one call (OpenAI caps n at 128)
 MAX_SHOWN_CHARS = 80  # of a rejected value, quoted in an error message
@@ -206,24 +206,23 @@ def _streaming(body: Mapping) -> tuple[bool, bool]:
     return stream, False if include is None else _boolean("stream_options.include_usage", include)
 
 
-def _speculation(body: Mapping) -> int | None:
-    """``num_speculative_tokens`` (k cap), or 0 for ``speculation: "off"``."""
+def _speculation(body: Mapping) -> tuple[int | None, str]:
+    """``num_speculative_tokens`` (k cap) and ``speculation`` ("auto", "on", "off"); their
+    agreement is checked by GenerateRequest."""
     k = body.get("num_speculative_tokens")
     if k is not None and (not _is_int(k) or k < 0):
         raise _invalid(
             "num_speculative_tokens", f"num_speculative_tokens must be an integer >= 0, got {k!r}"
         )
     mode = body.get("speculation")
-    if mode is None or mode == "auto":
-        return k
-    if mode != "off":
-        raise _invalid("speculation", f"speculation must be 'auto' or 'off', got {_show(mode)}")
-    if k:
+    if mode is None:
+        return k, "auto"
+    if mode not in SPECULATION_MODES:
         raise _invalid(
-            "num_speculative_tokens",
-            f"num_speculative_tokens={k} contradicts speculation='off'",
+            "speculation",
+            f"speculation must be one of {list(SPECULATION_MODES)}, got {_show(mode)}",
         )
-    return 0
+    return k, mode
 
 
 def _sampling(body: Mapping, max_tokens_field: str | None) -> dict:
@@ -265,7 +264,7 @@ def _build(
     """One GenerateRequest per prompt x choice; ``prompts`` hold GenerateRequest fields."""
     stream, include_usage = _streaming(body)
     n = _choice_count(body, len(prompts))
-    k = _speculation(body)
+    k, speculation = _speculation(body)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _invalid("user", f"user must be a string, got {_show(user)}")
@@ -291,6 +290,7 @@ def _build(
                     stop=stop,
                     include_stop_str_in_output=include_stop,
                     num_speculative_tokens=k,
+                    speculation=speculation,
                     request_id=call_id if single else f"{call_id}-{index}",
                     timeout_s=timeout_s,
                     stream=stream,

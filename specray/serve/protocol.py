@@ -25,6 +25,7 @@ from specray.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16  # as OpenAI's API caps ``stop`` (4) and vLLM does not: a sane bound
 CHAT_ROLES = ("system", "user", "assistant")
+SPECULATION_MODES = ("auto", "on", "off")
 # Roles other APIs name that mean one of ours: OpenAI's "developer" instructions are the system
 # turn of models without a developer role in their chat template (as vLLM maps them).
 ROLE_ALIASES = {"developer": "system"}
@@ -46,6 +47,8 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()  # stop strings: the output ends before the first one ...
     include_stop_str_in_output: bool = False  # ... or right after it (vLLM's option)
     num_speculative_tokens: int | None = None  # this request's largest k; 0 = speculation off
+    # "auto": the server's policy picks k each round; "on": the largest k every round; "off"
+    speculation: str = "auto"
     request_id: str | None = None
     timeout_s: float | None = None  # the deadline, from now
     # Output tokens already committed and delivered to the caller: the ingress resumes a request
@@ -82,6 +85,19 @@ class GenerateRequest:
             object.__setattr__(self, "prompt_token_ids", tuple(ids))
         if self.messages is not None:
             object.__setattr__(self, "messages", tuple(check_messages(self.messages)))
+        if self.speculation not in SPECULATION_MODES:
+            raise InvalidRequestError(
+                f"speculation must be one of {list(SPECULATION_MODES)}, got {self.speculation!r}",
+                param="speculation",
+            )
+        if self.speculation == "off":
+            if self.num_speculative_tokens:
+                raise InvalidRequestError(
+                    f"num_speculative_tokens={self.num_speculative_tokens} contradicts "
+                    "speculation='off'",
+                    param="num_speculative_tokens",
+                )
+            object.__setattr__(self, "num_speculative_tokens", 0)
         if not isinstance(self.include_stop_str_in_output, bool):
             raise InvalidRequestError(
                 "include_stop_str_in_output must be true or false, got "
@@ -146,6 +162,7 @@ class GenerateRequest:
             "stop": list(self.stop),
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "num_speculative_tokens": self.num_speculative_tokens,
+            "speculation": self.speculation,
             "request_id": self.request_id,
             "timeout_s": self.timeout_s,
             "resume_token_ids": list(self.resume_token_ids),

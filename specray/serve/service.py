@@ -111,6 +111,7 @@ class CoordinatorService:
             request_id=request.request_id,
             timeout_s=request.timeout_s,
             num_speculative_tokens=request.num_speculative_tokens,
+            fixed_k=request.speculation == "on",
             committed_token_ids=request.resume_token_ids,
             stream=request.stream or bool(request.stop),
         )

@@ -275,6 +275,18 @@ def test_seeded_sampling_is_reproducible_and_reports_the_seed(served):
     assert stopped.text == first.text[: first.text.index(stop)]
 
 
+def test_speculation_modes_per_request(served, engine_greedy):
+    """The client library's ``speculation``: "on" drafts every round after the first (but the
+    last), "off" never; both commit the target's greedy tokens."""
+    fields = {"prompt_token_ids": PROMPT_IDS, "max_tokens": 12, "temperature": 0.0}
+    with Client(served.target) as client:
+        on = client.generate(**fields, speculation="on")
+        off = client.generate(**fields, speculation="off")
+    assert on.token_ids == off.token_ids
+    assert off.speculative_decoding["num_drafts"] == 0
+    assert on.speculative_decoding["num_drafts"] > 0
+
+
 def test_model_info_health_and_reflection(served, tiny_chat):
     with Client(served.target) as client:
         info = client.model_info()

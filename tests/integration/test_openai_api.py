@@ -201,16 +201,24 @@ def test_completion_stream_matches_engine(served, client, engine):
     assert all(c.usage is None for c in body)
 
 
-def test_speculation_off_per_request(served, client, engine):
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_speculation_per_request(served, client, engine, mode):
+    """ "off": no drafts; "on": the largest k (2 here) every round after the first (the
+    prefill) but near the end. Both commit the target's greedy tokens."""
     completion = client.completions.create(
         model=MODEL,
         prompt=PROMPT,
         max_tokens=MAX_TOKENS,
         temperature=0,
-        extra_body={"speculation": "off"},
+        extra_body={"speculation": mode} | ({"num_speculative_tokens": 2} if mode == "on" else {}),
     )
     assert completion.choices[0].text == _greedy(engine, PROMPT, chat=False).text
-    assert completion.model_extra["speculative_decoding"]["num_drafts"] == 0
+    block = completion.model_extra["speculative_decoding"]
+    if mode == "off":
+        assert block["num_drafts"] == 0
+    else:
+        assert block["num_drafts"] > 0
+        assert block["num_draft_tokens"] >= 2 * block["num_drafts"] - 1
 
 
 # Seeded sampling replays exactly without speculation; with it, outputs here have been seen to
@@ -444,6 +452,7 @@ BAD_COMPLETIONS = [
     ({"logit_bias": {"999999": 5}}, 400, None),
     ({"speculation": "always"}, 400, "speculation"),
     ({"num_speculative_tokens": -1}, 400, "num_speculative_tokens"),
+    ({"speculation": "off", "num_speculative_tokens": 2}, 400, "num_speculative_tokens"),
     ({"timeout": 0}, 400, "timeout"),
 ]
 

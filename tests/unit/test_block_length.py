@@ -9,7 +9,7 @@ import pytest
 from specray.engine_core.block_length import (
     SCOUT_REQUESTS,
     Measurements,
-    ProbeState,
+    RequestProbe,
     best_k,
     choose_ks,
     could_pay,
@@ -97,75 +97,102 @@ def test_split_pays_against_one_target_only_batch():
     assert not split_pays(8, flat, fixed, has_drafts=False)
 
 
-def test_draft_prefills_wanted_hands_over_scouts_only_while_the_group_says_no():
+def test_draft_prefills_wanted_hands_over_untried_requests_a_few_at_a_time():
     """Batch 16 at α = 0.05: k = 1 gives 16 * 1.05 per 11 ms = 1527 tok/s against 1600, so the
-    group would not speculate, though full acceptance would pay. Only SCOUT_REQUESTS requests
-    are handed to the draft workers, counting those they hold already."""
+    group would not speculate, though full acceptance would pay. Fresh requests are handed to
+    the draft workers so that SCOUT_REQUESTS of them wait for their first try, counting the
+    untried ones the draft workers hold already: each gets its chance, a few at a time."""
     config, low = _config(), _measured(0.05)
     assert SCOUT_REQUESTS == 2
-    assert draft_prefills_wanted(16, 16, low, config, has_drafts=True) == 2
-    assert draft_prefills_wanted(15, 16, low, config, has_drafts=True) == 1
-    assert draft_prefills_wanted(3, 16, low, config, has_drafts=True) == 0
-    assert draft_prefills_wanted(1, 1, low, config, has_drafts=True) == 1  # 2 scouts, 1 fresh
+    assert draft_prefills_wanted(16, 0, 16, low, config, has_drafts=True) == 2
+    assert draft_prefills_wanted(15, 1, 16, low, config, has_drafts=True) == 1
+    assert draft_prefills_wanted(3, 2, 16, low, config, has_drafts=True) == 0
+    assert draft_prefills_wanted(1, 0, 1, low, config, has_drafts=True) == 1  # 2 scouts, 1 fresh
     # The group would speculate (α = 0.9), adaptive k is off, or nothing could pay:
-    assert draft_prefills_wanted(15, 16, _measured(0.9), config, has_drafts=True) == 15
-    assert draft_prefills_wanted(15, 16, low, _config(adaptive_k=False), has_drafts=True) == 15
+    assert draft_prefills_wanted(15, 1, 16, _measured(0.9), config, has_drafts=True) == 15
+    assert draft_prefills_wanted(15, 2, 16, low, _config(adaptive_k=False), has_drafts=True) == 15
     per_token = _measured(0.05, verify=VerifyCost(0.0, 0.0, 0.010))
-    assert draft_prefills_wanted(15, 16, per_token, config, has_drafts=True) == 0
+    assert draft_prefills_wanted(15, 0, 16, per_token, config, has_drafts=True) == 0
+
+
+TRIED = RequestProbe(tried=True)
+
+
+def _policy(caps, acceptances, probes, steps, measured, config, speculating=False):
+    return policy_ks(
+        caps, acceptances, probes, steps, speculating, measured, config, has_drafts=True
+    )
 
 
 def test_one_block_length_for_the_batch():
     """Two requests, caps 4, α 0.9 and 0.1: K = 4 commits 4.10 + 1.11 tokens per 14 ms = 372
     tok/s against 200 target-only (K = 1: 3.0 / 11 ms = 273): both draft 4; a cap cuts its
-    own request's block only. Speculating resets the probe counters."""
+    own request's block only. Drafting under the policy's K resets a request's probing."""
     config = _config()
     acceptances = [[0.9] * 4, [0.1] * 4]
-    probe = ProbeState(rounds_off=3, failed_probes=2)
-    ks, after = choose_ks(
-        [4, 4], acceptances, [False, False], [0, 0], probe, _measured(), config, has_drafts=True
-    )
-    assert (ks, after) == ([4, 4], ProbeState(speculating=True))
-    ks, _ = policy_ks([4, 2], acceptances, [0, 0], probe, _measured(), config, has_drafts=True)
+    probes = [RequestProbe(tried=True, rounds_off=3, failed_probes=2), RequestProbe()]
+    ks, after, speculating = choose_ks(
+        [4, 4], acceptances, [False, False], probes, [0, 0], False, _measured(), config,
+        has_drafts=True,
+    )  # fmt: skip
+    assert (ks, after, speculating) == ([4, 4], [TRIED, TRIED], True)
+    ks, _, _ = _policy([4, 2], acceptances, probes, [0, 0], _measured(), config)
     assert ks == [4, 2]
 
 
-def test_rounds_without_drafts_lead_to_a_probe_on_scouts():
+def test_a_new_request_probes_at_once_then_after_its_own_rounds_off():
     """α 0.05 for everyone: K = 1 gives (3 * 1.05 + 1) / 11 ms = 377 tok/s against 400, so no
-    drafts, and each such round counts. The fourth probes: while the group's acceptance says
-    no, only the SCOUT_REQUESTS requests that drafted longest ago (steps 3 and 5) draft
-    probe_k = 2 tokens; once it says yes, everyone able to."""
+    drafts. Requests that never drafted probe at their first chance; while the group's
+    acceptance says no, at most SCOUT_REQUESTS a round, the untried first, then those that
+    drafted longest ago (steps 3 and 5). A tried request waits probe_every_rounds (4) of its
+    own rounds; once the group says yes, everyone due probes."""
     config, low = _config(), _measured(0.05)
     caps, acceptances, steps = [4, 4, 0, 4], [[0.05] * 4] * 4, [9, 3, 0, 5]
-    ks, after = policy_ks(caps, acceptances, steps, ProbeState(), low, config, has_drafts=True)
-    assert (ks, after) == ([0, 0, 0, 0], ProbeState(rounds_off=1))
-    due = ProbeState(rounds_off=3)
-    ks, after = policy_ks(caps, acceptances, steps, due, low, config, has_drafts=True)
-    assert (ks, after) == ([0, 2, 0, 2], ProbeState(rounds_off=0, failed_probes=1))
-    high = _measured(0.9)
-    ks, after = policy_ks(caps, acceptances, steps, due, high, config, has_drafts=True)
-    assert (ks, after) == ([2, 2, 0, 2], ProbeState(rounds_off=0, failed_probes=1))
+    new = [RequestProbe()] * 4
+    ks, after, speculating = _policy(caps, acceptances, new, steps, low, config)
+    assert (ks, speculating) == ([0, 2, 0, 2], False)  # untried, then longest ago
+    assert after[1] == after[3] == RequestProbe(tried=True, failed_probes=1)
+    assert after[0] == RequestProbe(rounds_off=1)  # its turn next round
+    waiting = [RequestProbe(tried=True, rounds_off=1)] * 4
+    ks, after, _ = _policy(caps, acceptances, waiting, steps, low, config)
+    assert ks == [0, 0, 0, 0] and after[0] == RequestProbe(tried=True, rounds_off=2)
+    assert after[2] == waiting[2]  # cap 0: its rounds do not count
+    due = [RequestProbe(tried=True, rounds_off=3)] * 4
+    ks, after, _ = _policy(caps, acceptances, due, steps, low, config)
+    assert ks == [0, 2, 0, 2]  # drafted longest ago: steps 3 and 5
+    assert after[1] == RequestProbe(tried=True, failed_probes=1)
+    assert after[0] == RequestProbe(tried=True, rounds_off=4)  # due, waits for a slot
+    ks, _, _ = _policy(caps, acceptances, due, steps, _measured(0.9), config)
+    assert ks == [2, 2, 0, 2]
 
 
-def test_each_failed_probe_doubles_the_wait():
-    """After one probe that found no gain the next is due after 8 rounds, not 4."""
+def test_each_failed_probe_doubles_a_requests_wait():
+    """After one probe that found no gain the request's next is due after 8 of its rounds,
+    not 4; another request's failures do not count."""
     config, low = _config(), _measured(0.05)
     caps, acceptances, steps = [4, 4], [[0.05] * 4] * 2, [1, 2]
-    waiting = ProbeState(rounds_off=6, failed_probes=1)
-    ks, after = policy_ks(caps, acceptances, steps, waiting, low, config, has_drafts=True)
-    assert (ks, after) == ([0, 0], ProbeState(rounds_off=7, failed_probes=1))
-    ks, after = policy_ks(caps, acceptances, steps, after, low, config, has_drafts=True)
-    assert (ks, after) == ([2, 2], ProbeState(rounds_off=0, failed_probes=2))
+    probes = [RequestProbe(tried=True, rounds_off=6, failed_probes=1)] * 2
+    ks, after, _ = _policy(caps, acceptances, probes, steps, low, config)
+    assert (ks, after) == ([0, 0], [RequestProbe(tried=True, rounds_off=7, failed_probes=1)] * 2)
+    ks, after, _ = _policy(caps, acceptances, after, steps, low, config)
+    assert ks == [2, 2] and after == [RequestProbe(tried=True, failed_probes=2)] * 2
+    mixed = [RequestProbe(tried=True, rounds_off=3), RequestProbe(tried=True, failed_probes=3)]
+    ks, _, _ = _policy(caps, acceptances, mixed, steps, low, config)
+    assert ks == [2, 0]
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_fixed_requests_draft_their_cap_and_adaptive_off_drafts_every_cap(adaptive):
-    """A fixed-k request (seeded, reproducible_seeds) drafts its cap whatever the policy says;
-    with adaptive k off every request does, and the probe state is left as it was."""
+    """A fixed-k request (speculation "on", or seeded under reproducible_seeds) drafts its cap
+    whatever the policy says; with adaptive k off every request does, and the probes are left
+    as they were."""
     config, low = _config(adaptive_k=adaptive), _measured(0.05)
     caps, acceptances = [3, 4, 0], [[0.05] * 4] * 3
-    probe = ProbeState(rounds_off=1)
-    ks, after = choose_ks(
-        caps, acceptances, [True, False, True], [0, 0, 0], probe, low, config, has_drafts=True
-    )
+    probes = [RequestProbe(tried=True, rounds_off=1)] * 3
+    ks, after, _ = choose_ks(
+        caps, acceptances, [True, False, True], probes, [0, 0, 0], False, low, config,
+        has_drafts=True,
+    )  # fmt: skip
     assert ks == ([3, 0, 0] if adaptive else [3, 4, 0])
-    assert after == (ProbeState(rounds_off=2) if adaptive else probe)
+    waited = RequestProbe(tried=True, rounds_off=2)
+    assert after == ([waited, waited, probes[2]] if adaptive else probes)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import math
 import random
@@ -534,11 +533,11 @@ def test_micro_batches_merge_when_acceptance_falls():
 
 
 def test_probes_at_a_large_batch_send_scouts_only():
-    """Sixteen requests whose draft is never accepted: speculation is off, and each periodic
-    probe drafts for SCOUT_REQUESTS requests, the ones that drafted longest ago, not for all
-    sixteen (which would add probe_k verified tokens to every request). Only those requests are
-    handed to the draft worker (a draft prefill for a request that never drafts is waste), and
-    each probe that finds no gain doubles the wait before the next: 16, 32, 64, 128 rounds."""
+    """Sixteen requests whose draft is never accepted: speculation is off, yet each request
+    gets its chance (a first probe), SCOUT_REQUESTS at a time, and then probes on its own
+    schedule: after 16 of its rounds without drafts, doubled per probe that found no gain (16,
+    32, 64, 128), so at most 5 probes in 400 tokens. A probe round drafts for SCOUT_REQUESTS
+    requests, not all sixteen (which would add probe_k verified tokens to every request)."""
     from specray.engine_core.block_length import SCOUT_REQUESTS
 
     latency = LatencyModel(
@@ -575,12 +574,12 @@ def test_probes_at_a_large_batch_send_scouts_only():
         latency, AcceptanceModel((0.0,)), config, num_requests=16, max_tokens=400, watch=watch
     )
     assert all(len(output.token_ids) == 400 for output in outputs)
-    assert [count for _, count in probes] == [SCOUT_REQUESTS] * 4, probes
-    gaps = [later - earlier for (earlier, _), (later, _) in itertools.pairwise(probes)]
-    assert gaps == [32, 64, 128], gaps  # target rounds from one probe to the next
-    drafted = {o.request_id for o in outputs if o.metrics.num_drafts}
-    assert len(drafted) >= SCOUT_REQUESTS
-    assert held and max(held) <= SCOUT_REQUESTS, held
+    assert all(count <= SCOUT_REQUESTS for _, count in probes), probes
+    per_request = sorted(output.metrics.num_drafts for output in outputs)
+    assert per_request[0] >= 1 and per_request[-1] <= 5, per_request  # a chance, then backoff
+    assert sum(per_request) == sum(count for _, count in probes)
+    assert len(probes) <= 16 * 5 / SCOUT_REQUESTS + 8, probes  # probe rounds are shared
+    assert held and max(held) <= 16, held
 
 
 def test_each_micro_batch_drafts_on_its_own_workers():

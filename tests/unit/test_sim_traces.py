@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
+import specray.sim
 from specray.engine import Engine
+from specray.engine_core.coordinator import Coordinator
 from specray.sampling import SamplingParams
-from specray.sim import AcceptanceModel, SimConfigError, Workload, sim_config_from_dict, simulate
+from specray.sim import (
+    AcceptanceModel,
+    SimConfigError,
+    Workload,
+    load_sim_config,
+    sim_config_from_dict,
+    simulate,
+)
+from specray.sim.clock import run_virtual
+from specray.sim.model import coordinator_config
+from specray.sim.run import SIM_VOCAB_SIZE
 from specray.sim.traces import acceptance_from_traces, leading_matches, record_traces
+from specray.sim.workers import SimDraftBackend, SimInbox, SimTargetBackend
 from tests.helpers.tiny_models import perturbed_copy, tiny_llama
 from tests.unit.test_sim import _config, _raw_config
 
@@ -125,3 +142,85 @@ def test_the_simulator_replays_traces_exactly():
     assert always["speedup"] > never["speedup"]
     bursty = tuple((0, 0, 0, 0, 4, 3, 2, 1) * 3 for _ in range(2))
     assert _traced(bursty) == _traced(bursty)
+
+
+def _on_this_host(traces, concurrency: int, **coordinator) -> dict:
+    """The shipped local_cpu.yaml costs (a CPU host like this one), replaying ``traces``."""
+    base = load_sim_config(Path(specray.sim.__file__).parent / "configs" / "local_cpu.yaml")
+    acceptance = AcceptanceModel(tuple(acceptance_from_traces(traces) or [0.0]), traces=traces)
+    workload = Workload(
+        concurrency=concurrency, num_requests=len(traces), prompt_tokens=8, max_tokens=64
+    )
+    config = replace(
+        base,
+        acceptance=acceptance,
+        workload=workload,
+        coordinator={**base.coordinator, **coordinator},
+        sweep={},
+    )
+    (row,) = simulate(config)
+    return row
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_badly_drafted_request_does_not_hold_speculation_off_for_the_next(concurrency):
+    """The first request's draft is useless (a trace of zeros, like the demo's forced first
+    prompt), the seven after it are drafted well (runs of 1 to 8 matching tokens). Each later
+    request gets its own chance (a probe at once, its own estimate and backoff), so the default
+    policy is at least as fast as the best fixed k on the same workload. Before, the group's
+    acceptance seeded every new request and the micro-batch's probe backoff carried over: the
+    policy stayed off (speedup 0.99 against 1.22 at concurrency 1)."""
+    bad = (0,) * 64
+    good = (6, 5, 4, 3, 2, 1, 0, 8, 7, 6, 5, 4, 3, 2, 1, 0) * 4
+    traces = (bad,) + (good,) * 7
+    policy = _on_this_host(traces, concurrency, num_speculative_tokens=4)
+    fixed = {
+        k: _on_this_host(traces, concurrency, num_speculative_tokens=k, adaptive_k=False)
+        for k in range(1, 5)
+    }
+    best = max(row["speedup"] for row in fixed.values())
+    assert policy["speedup"] >= best, (
+        policy["speedup"],
+        {k: r["speedup"] for k, r in fixed.items()},
+    )
+    assert policy["acceptance_rate"] > 0.7  # the good requests speculated on their acceptance
+
+
+def test_speculation_on_drafts_every_round_where_the_policy_would_not():
+    """Two requests whose draft is useless (traces of zeros) under this host's costs: the
+    policy drafts for one only on probes, while speculation "on" (fixed_k) drafts k every round
+    after its first, whatever the acceptance says."""
+    base = load_sim_config(Path(specray.sim.__file__).parent / "configs" / "local_cpu.yaml")
+    traces = ((0,) * 40, (0,) * 40)
+    acceptance = AcceptanceModel((0.0,), traces=traces)
+
+    async def main():
+        inbox = SimInbox()
+        target = SimTargetBackend(base.latency, acceptance, inbox, random.Random(0))
+        drafts = SimDraftBackend(1, base.latency, inbox)
+        config = coordinator_config(
+            {"verify_prior": base.latency.verify, "draft_prior": base.latency.draft_step}
+            | base.coordinator
+        )
+        coordinator = Coordinator(
+            target, drafts, config, vocab_size=SIM_VOCAB_SIZE, eos_token_ids=frozenset()
+        )
+        await coordinator.start()
+        params = SamplingParams(temperature=0.0, max_tokens=40)
+        streams = []
+        for index, fixed_k in enumerate((False, True)):
+            target.assign_trace(f"r{index}", index)
+            streams.append(
+                await coordinator.submit([1, 2, 3], params, request_id=f"r{index}", fixed_k=fixed_k)
+            )
+        outputs = [await stream.result() for stream in streams]
+        await coordinator.stop()
+        return outputs
+
+    auto, on = run_virtual(main())
+    k = base.coordinator["num_speculative_tokens"]
+    # Every round but its first (the target's prefill) and its last (no room for a draft).
+    assert on.metrics.num_drafts == on.metrics.num_target_steps - 2
+    assert on.metrics.num_draft_tokens >= k * (on.metrics.num_drafts - k)  # k, but at the end
+    assert on.metrics.num_accepted_tokens == 0
+    assert auto.metrics.num_drafts <= 4  # probes only
