@@ -3,7 +3,7 @@
 :class:`GenerationServicer` translates protobuf <-> :class:`GenerateRequest` and backend events,
 and :class:`SpecrayError` <-> gRPC status (the error's ``grpc_code`` and message, never a stack
 trace). :func:`start_grpc_server` serves it with the standard health service, server
-reflection, message-size limits, optional TLS / mTLS and an optional bearer token.
+reflection (v1 and v1alpha), message-size limits, optional TLS / mTLS and an optional bearer token.
 
 Deadlines and cancellation reach the backend: the RPC's remaining time becomes the request's
 ``timeout_s``, and when the client cancels (or the deadline passes) the backend's event
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from specray.client.config import PemSource, check_token, read_pem
 from specray.errors import DeadlineExceededError, InvalidRequestError, SpecrayError
@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "specray.v1.Generation"
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"  # served beside grpc.reflection.v1alpha
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # gRPC's default receive limit is 4 MiB
 DEFAULT_HEALTH_INTERVAL_S = 1.0  # how often Watch subscribers see backend.health() re-read
 HEALTH_CHECK_TIMEOUT_S = 5.0  # a backend.health() call slower than this counts as unhealthy
@@ -369,6 +370,20 @@ class TLSConfig:
 
 
 # ---- the server -----------------------------------------------------------------------------
+def _add_reflection_v1(service_names, server) -> None:
+    """Server reflection v1 beside v1alpha (clients such as grpcurl ask v1 first). The two
+    protocols differ only in their package name: the same messages, field for field, so the
+    v1 method is served by the v1alpha servicer with v1alpha's message classes."""
+    servicer = reflection.aio.ReflectionServicer(service_names)
+    method = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    handler = grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": method})
+    server.add_generic_rpc_handlers((handler,))
+
+
 async def start_grpc_server(
     backend: GenerationBackend,
     *,
@@ -412,11 +427,14 @@ async def start_grpc_server(
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(backend), server)
     health = BackendHealthServicer(backend)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME),
-        server,
-    )  # fmt: skip
+    served = (
+        SERVICE_NAME,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+        REFLECTION_V1,
+    )
+    reflection.enable_server_reflection(served, server)
+    _add_reflection_v1(served, server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     if tls is not None:
         bound_port = server.add_secure_port(address, tls.server_credentials())

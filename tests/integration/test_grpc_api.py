@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 import specray
 from specray.client import AsyncClient, Client, SpecrayClientError
 from specray.engine_core.coordinator import CoordinatorConfig
-from specray.serve.grpc_api import SERVICE_NAME, TLSConfig, start_grpc_server
+from specray.serve.grpc_api import REFLECTION_V1, SERVICE_NAME, TLSConfig, start_grpc_server
 from specray.serve.service import LocalBackend
 from specray.v1 import generation_pb2 as pb
 from specray.v1 import generation_pb2_grpc
@@ -300,14 +300,21 @@ def test_model_info_health_and_reflection(served, tiny_chat):
         for service in ("", SERVICE_NAME):
             status = check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
             assert status == health_pb2.HealthCheckResponse.SERVING
-        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-        ask = reflection_pb2.ServerReflectionRequest(list_services="")
-        answer = next(iter(reflection.ServerReflectionInfo(iter([ask]), timeout=5)))
-        services = {s.name for s in answer.list_services_response.service}
-        ask = reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME)
-        answer = next(iter(reflection.ServerReflectionInfo(iter([ask]), timeout=5)))
-    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= services
-    assert answer.file_descriptor_response.file_descriptor_proto  # the schema is served
+        v1alpha = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo
+        # v1 carries the same messages under another package: called by its path.
+        v1 = channel.stream_stream(
+            f"/{REFLECTION_V1}/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        for info in (v1alpha, v1):
+            ask = reflection_pb2.ServerReflectionRequest(list_services="")
+            answer = next(iter(info(iter([ask]), timeout=5)))
+            services = {s.name for s in answer.list_services_response.service}
+            assert {SERVICE_NAME, "grpc.health.v1.Health", REFLECTION_V1} <= services
+            ask = reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME)
+            answer = next(iter(info(iter([ask]), timeout=5)))
+            assert answer.file_descriptor_response.file_descriptor_proto  # the schema
 
 
 # ---- abort, cancellation, deadlines ------------------------------------------------------------
