@@ -13,9 +13,13 @@ import os
 import threading
 import uuid
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from specray.cluster.placement import PlacementConfig
 from specray.cluster.serve_env import apply_serve_env
+
+if TYPE_CHECKING:
+    from specray.engine_core.policy import VerifyCost
 
 log = logging.getLogger(__name__)
 LOCAL_NODE_RESOURCES = 8.0  # draft / target units an embedded one-node cluster advertises
@@ -49,6 +53,18 @@ def connect(
         )
     else:
         ray.init(address=cluster, log_to_driver=False)
+
+
+# The forwards the served engine core times at start: few enough to take seconds on a CPU.
+START_CALIBRATION_GRID = tuple((batch, tokens) for batch in (1, 4, 16) for tokens in (1, 3, 5))
+
+
+def verify_cost_table(measured) -> VerifyCost:
+    """A target's timed forwards ``[(batch, tokens per request, seconds)]`` as the
+    coordinator's verify cost: a table over the tokens in a forward."""
+    from specray.engine_core.policy import VerifyCost, tabulate
+
+    return VerifyCost(0.0, 0.0, 0.0, tabulate([(b * n, s) for b, n, s in measured]))
 
 
 class TargetGroup:
@@ -260,11 +276,10 @@ class DistributedBackend:
         (its priors) and the latency model of ``specray simulate``."""
         import ray
 
-        from specray.engine_core.policy import DraftCost, VerifyCost, tabulate
+        from specray.engine_core.policy import DraftCost, tabulate
 
         grid = [(batch, count) for batch in batches for count in tokens]
-        measured = ray.get(self.leader.calibrate.remote(grid))
-        verify = VerifyCost(0.0, 0.0, 0.0, tabulate([(b * n, s) for b, n, s in measured]))
+        verify = verify_cost_table(ray.get(self.leader.calibrate.remote(grid)))
         if not self.drafts:
             return verify, None
         steps = ray.get(self.drafts[0].calibrate.remote(list(batches)))

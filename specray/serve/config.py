@@ -42,6 +42,10 @@ class AppArgs(BaseModel):
     num_micro_batches: int = Field(2, ge=1, le=16)
     draft_deadline_s: float = Field(DEFAULT_DRAFT_DEADLINE_S, gt=0)
     adaptive_k: bool = True  # choose k per request and round from measurements (else always k)
+    # Time the target's forwards when a group starts (seconds on a CPU): the policy starts
+    # from this group's own verify costs rather than generic priors (with adaptive_k and a
+    # draft only; the draft's cost is fitted from its first rounds)
+    calibrate: bool = True
     # Seeded requests draft a fixed block, so their tokens depend on the seed alone (see
     # CoordinatorConfig.reproducible_seeds)
     reproducible_seeds: bool = False

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import replace
 
 from ray import serve
 
@@ -51,7 +52,12 @@ class TargetWorkerDeployment:
     async def __init__(self, args: dict):
         import ray
 
-        from specray.cluster.distributed import TargetGroup, reads_target_features
+        from specray.cluster.distributed import (
+            START_CALIBRATION_GRID,
+            TargetGroup,
+            reads_target_features,
+            verify_cost_table,
+        )
         from specray.models.loading import load_model_info
 
         self.args = AppArgs(**args)
@@ -70,9 +76,14 @@ class TargetWorkerDeployment:
             )
         )
         info = await _in_thread(load_model_info, self.args.target)
+        config = self.args.coordinator_config()
+        if self.args.calibrate and self.args.adaptive_k and self.args.draft is not None:
+            grid = list(START_CALIBRATION_GRID)
+            measured = await self.group.leader.calibrate.remote(grid)
+            config = replace(config, verify_prior=verify_cost_table(measured))
         # The round loop runs beside rank 0's forward: front ends open sessions on it.
         await self.group.leader.start_engine_core.remote(
-            self.args.coordinator_config(),
+            config,
             with_drafts=self.args.draft is not None,
             max_positions=info.max_positions,
             model_name=self.args.served_name,

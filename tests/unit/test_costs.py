@@ -61,3 +61,22 @@ def test_draft_round_scale_is_validated_and_moves_the_policy():
     assert choose_k([0.6], verify=line, config=config, **kwargs) > 0
     dear = VerifyCost(0.010, 0.0, 0.001, draft_round_scale=1.3)
     assert choose_k([0.6], verify=dear, config=config, **kwargs) == 0
+
+
+def test_a_group_start_calibration_becomes_the_verify_table():
+    """What a served target group times when it starts (START_CALIBRATION_GRID on its runner)
+    is the policy's verify cost: a table over the tokens in a forward, non-decreasing, that
+    answers each timed point with at most its time (the cheapest at or above its count)."""
+    from specray.cluster.distributed import START_CALIBRATION_GRID, verify_cost_table
+    from specray.models.runner import ModelRunner
+    from tests.helpers.tiny_models import tiny_llama
+
+    runner = ModelRunner(tiny_llama(5, seed=0))
+    measured = [(b, n, runner.time_forward(b, n)) for b, n in START_CALIBRATION_GRID]
+    verify = verify_cost_table(measured)
+    counts = [tokens for tokens, _ in verify.table]
+    assert counts == sorted({b * n for b, n, _ in measured})
+    seconds = [s for _, s in verify.table]
+    assert all(0 < s for s in seconds) and seconds == sorted(seconds)
+    for batch, tokens, timed in measured:
+        assert verify.seconds(batch, tokens) <= timed
