@@ -77,6 +77,6 @@ def test_a_group_start_calibration_becomes_the_verify_table():
     counts = [tokens for tokens, _ in verify.table]
     assert counts == sorted({b * n for b, n, _ in measured})
     seconds = [s for _, s in verify.table]
-    assert all(0 < s for s in seconds) and seconds == sorted(seconds)
+    assert all(s > 0 for s in seconds) and seconds == sorted(seconds)
     for batch, tokens, timed in measured:
         assert verify.seconds(batch, tokens) <= timed
