@@ -132,8 +132,7 @@ class Coordinator:
             ),
             on_failure=lambda: record_draft_failure(self.stats, self.metrics),
         )  # fmt: skip
-        # per micro-batch: did its last round speculate (the policy's hysteresis)
-        self._speculating = [False] * config.num_micro_batches
+        self._speculating = [False] * config.num_micro_batches  # last round, per micro-batch
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -245,10 +244,9 @@ class Coordinator:
         return request.stream
 
     def _new_estimator(self) -> AcceptanceEstimator:
-        """A request starts from what this group's requests accepted lately when that is
-        better than a neutral guess (one early rejection then does not switch a good draft
-        off), never below it: requests the draft served badly must not talk a new one out of
-        its chance (its first probe, :func:`~specray.engine_core.block_length.policy_ks`)."""
+        """A request starts from the group's recent acceptance when that beats a neutral
+        guess, never below it: badly drafted requests must not talk a new one out of its
+        chance (its first probe, :func:`~specray.engine_core.block_length.policy_ks`)."""
         group_alpha = self._group_acceptance.acceptance(1)[0]
         return AcceptanceEstimator(
             prior_alpha=min(max(group_alpha, NEUTRAL_PRIOR), 0.95),
