@@ -69,7 +69,8 @@ class RequestState:
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             params=params,
-            pipeline=LogitsPipeline(params, vocab_size, prompt_token_ids),
+            # min_tokens masks what would end the request: these ids
+            pipeline=LogitsPipeline(params, vocab_size, prompt_token_ids, sorted(stop)),
             random=KeyedRandom(seed),
             stop_token_ids=frozenset(stop),
         )

@@ -24,6 +24,7 @@ SAMPLING_PARAMS = (  # as specray.sampling.SamplingParams
     "stop_token_ids",
     "ignore_eos",
     "max_tokens",
+    "min_tokens",
     "seed",
 )
 REQUEST_OPTIONS = ("stop", "num_speculative_tokens", "speculation", "request_id")

@@ -35,13 +35,14 @@ flat logits ``[[1, 3, 2], [0, 0, 5], [4, 1, 2]]`` -> A: argmax ids ``[1, 2]``; B
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass
 from itertools import groupby
 
 import torch
 
 from specray.sampling.pipeline import NEG_INF, LogitsPipeline
 from specray.sampling.rows import consecutive_rows
+from specray.sampling.staging import RowIndex, Staging
 from specray.sampling.top_k import TopK, TopKGroup, takes_candidates, top_k_probs, top_values
 
 
@@ -55,12 +56,13 @@ class RowValues:
 
 @dataclass(frozen=True)
 class Additive:
-    """Step 1, logit bias and masks: per request a fill value with sparse exceptions
-    (:func:`specray.sampling.pipeline.additive_entries`); the dense term is built on the device
-    for these requests' rows only."""
+    """Step 1, logit bias and masks: per term a fill value with sparse exceptions
+    (:func:`specray.sampling.pipeline.additive_entries`; a request with min_tokens has a second
+    term, with its stop ids at -inf, for its rows before min_tokens); the dense terms are
+    built on the device for the rows that have one only."""
 
     rows: torch.Tensor | None  # [Ra] int64 rows of the round; None: every row
-    row_slot: torch.Tensor  # [Ra] int64, each row's request among these
+    row_slot: torch.Tensor  # [Ra] int64, each row's term among these
     fill: torch.Tensor  # [Na, 1] float32, 0 or -inf
     entry_slot: torch.Tensor  # [E] int64
     entry_ids: torch.Tensor  # [E] int64
@@ -122,8 +124,8 @@ class SamplingMetadata:
         ``candidate_token_ids[i][:j]`` (and its prompt), as in :class:`LogitsPipeline`."""
         _check(pipelines, num_rows, output_token_ids, candidate_token_ids)
         device = torch.device(device)
-        staged = _Staging()
-        rows = _Rows(staged, num_rows)
+        staged = Staging()
+        rows = RowIndex(staged, num_rows)
         greedy = tuple(pipeline.params.greedy for pipeline in pipelines)
         picked = [i for i, is_greedy in enumerate(greedy) if is_greedy]
         sampled = [i for i, is_greedy in enumerate(greedy) if not is_greedy]
@@ -137,12 +139,12 @@ class SamplingMetadata:
             greedy_rows=rows.of(picked) if picked else None,
             dense_rows=rows.of(dense) if dense else None,
             dense_runs=_runs(rows.indices(dense, sampled)[0]),
-            additive=_stage_additive(rows, pipelines),
+            additive=_stage_additive(rows, pipelines, output_token_ids),
             penalties=_stage_penalties(rows, pipelines, output_token_ids, candidate_token_ids),
             **_stage_sampled_steps(rows, pipelines, dense, vocab_size),
             top_k_groups=_stage_top_k_groups(rows, pipelines, sampled, grouped),
         )
-        return _Staging.resolve(metadata, staged.upload(device))
+        return Staging.resolve(metadata, staged.upload(device))
 
 
 class BatchLogitsPipeline:
@@ -376,62 +378,6 @@ def _top_p_step(top_p: torch.Tensor) -> Callable[[torch.Tensor], None]:
     return step
 
 
-@dataclass(frozen=True)
-class _Staged:
-    """Stands for a tensor while the metadata is built on the host (see :class:`_Staging`)."""
-
-    index: int
-
-
-class _Staging:
-    """Host lists gathered while building the metadata, sent to the device in one copy per
-    dtype; each list is a :class:`_Staged` until then, and a view of that copy after."""
-
-    def __init__(self) -> None:
-        self._values: dict[torch.dtype, list] = {torch.int64: [], torch.float32: []}
-        self._spans: list[tuple[torch.dtype, int, int, bool]] = []  # dtype, start, stop, column
-
-    def ints(self, values: Sequence[int], *, column: bool = False) -> _Staged:
-        return self._add(torch.int64, values, column)
-
-    def floats(self, values: Sequence[float], *, column: bool = True) -> _Staged:
-        return self._add(torch.float32, values, column)  # per-row parameters: [n, 1]
-
-    def _add(self, dtype: torch.dtype, values: Sequence, column: bool) -> _Staged:
-        store = self._values[dtype]
-        start = len(store)
-        store.extend(values)
-        self._spans.append((dtype, start, len(store), column))
-        return _Staged(len(self._spans) - 1)
-
-    def upload(self, device: torch.device | str) -> list[torch.Tensor]:
-        """One copy per dtype, from pinned memory without waiting when the device is a GPU (a
-        plain ``torch.tensor(values, device=...)`` waits for the GPU's queued work)."""
-        device = torch.device(device)
-        flat = {
-            dtype: torch.tensor(
-                values, dtype=dtype, device="cpu", pin_memory=device.type == "cuda"
-            ).to(device, non_blocking=True)
-            for dtype, values in self._values.items()
-        }
-        return [
-            flat[dtype][start:stop].view(-1, 1) if column else flat[dtype][start:stop]
-            for dtype, start, stop, column in self._spans
-        ]
-
-    @staticmethod
-    def resolve(value, tensors: list[torch.Tensor]):
-        """``value`` with each :class:`_Staged` (in a field of a dataclass too) replaced."""
-        if isinstance(value, _Staged):
-            return tensors[value.index]
-        if isinstance(value, tuple):
-            return tuple(_Staging.resolve(item, tensors) for item in value)
-        if value is None or not is_dataclass(value):
-            return value
-        staged = {f.name: _Staging.resolve(getattr(value, f.name), tensors) for f in fields(value)}
-        return replace(value, **staged)
-
-
 def _check(pipelines, num_rows, output_token_ids, candidate_token_ids) -> None:
     counts = {len(pipelines), len(num_rows), len(output_token_ids), len(candidate_token_ids)}
     if len(counts) != 1:
@@ -458,56 +404,38 @@ def _check(pipelines, num_rows, output_token_ids, candidate_token_ids) -> None:
                 )
 
 
-class _Rows:
-    """Where each request's rows are: in the round, and among a chosen set of requests."""
-
-    def __init__(self, staged: _Staging, num_rows: Sequence[int]):
-        self.staged, self.num_rows = staged, num_rows
-        self.starts = [sum(num_rows[:i]) for i in range(len(num_rows))]
-
-    def per_row(self, requests: list[int], value: Callable[[int], object]) -> list:
-        """``value(i)`` once for each row of each request i, in order."""
-        return [value(i) for i in requests for _ in range(self.num_rows[i])]
-
-    def of(self, requests: list[int], within: list[int] | None = None) -> _Staged | None:
-        """The rows of ``requests``, counted in the round (``within`` None) or among the rows
-        of ``within``'s requests; None when they are all of them."""
-        rows, num_all = self.indices(requests, within)
-        return None if len(rows) == num_all else self.staged.ints(rows)
-
-    def indices(self, requests: list[int], within: list[int] | None) -> tuple[list[int], int]:
-        """The rows of ``requests`` (see :meth:`of`), and how many rows there are in all."""
-        if within is None:
-            first, num_all = self.starts, sum(self.num_rows)
-        else:
-            first, num_all = {}, 0
-            for i in within:
-                first[i], num_all = num_all, num_all + self.num_rows[i]
-        return [first[i] + j for i in requests for j in range(self.num_rows[i])], num_all
-
-
-def _stage_additive(rows: _Rows, pipelines) -> Additive | None:
-    requests = [i for i, pipeline in enumerate(pipelines) if pipeline.additive is not None]
-    if not requests:
+def _stage_additive(rows: RowIndex, pipelines, output_token_ids) -> Additive | None:
+    """The step-1 terms and which row takes which: a request's rows before min_tokens take
+    its early term (:attr:`LogitsPipeline.early_additive`), the others its additive one."""
+    terms, row_ids, row_slot = [], [], []
+    for i, pipeline in enumerate(pipelines):
+        num_rows = rows.num_rows[i]
+        early = pipeline.rows_before_min_tokens(len(output_token_ids[i]), num_rows)
+        for term, first, last in (
+            (pipeline.early_additive, 0, early),
+            (pipeline.additive, early, num_rows),
+        ):
+            if term is not None and last > first:
+                row_ids += range(rows.starts[i] + first, rows.starts[i] + last)
+                row_slot += [len(terms)] * (last - first)
+                terms.append(term)
+    if not terms:
         return None
-    staged, slot_of = rows.staged, {i: slot for slot, i in enumerate(requests)}
-    entry_slot, entry_ids, entry_values = [], [], []
-    for slot, i in enumerate(requests):
-        entries = pipelines[i].additive[1]
-        entry_slot += [slot] * len(entries)
-        entry_ids += entries.keys()
-        entry_values += entries.values()
+    staged = rows.staged
+    entry_slot = [slot for slot, (_, entries) in enumerate(terms) for _ in entries]
     return Additive(
-        rows=rows.of(requests),
-        row_slot=staged.ints(rows.per_row(requests, slot_of.get)),
-        fill=staged.floats([pipelines[i].additive[0] for i in requests]),
+        rows=None if len(row_ids) == sum(rows.num_rows) else staged.ints(row_ids),
+        row_slot=staged.ints(row_slot),
+        fill=staged.floats([fill for fill, _ in terms]),
         entry_slot=staged.ints(entry_slot),
-        entry_ids=staged.ints(entry_ids),
-        entry_values=staged.floats(entry_values, column=False),
+        entry_ids=staged.ints([t for _, entries in terms for t in entries]),
+        entry_values=staged.floats(
+            [value for _, entries in terms for value in entries.values()], column=False
+        ),
     )
 
 
-def _stage_penalties(rows: _Rows, pipelines, output_token_ids, candidate_token_ids):
+def _stage_penalties(rows: RowIndex, pipelines, output_token_ids, candidate_token_ids):
     requests = [i for i, pipeline in enumerate(pipelines) if pipeline.uses_output_history]
     if not requests:
         return None
@@ -552,7 +480,7 @@ def _stage_penalties(rows: _Rows, pipelines, output_token_ids, candidate_token_i
     )
 
 
-def _stage_sampled_steps(rows: _Rows, pipelines, sampled: list[int], vocab_size: int) -> dict:
+def _stage_sampled_steps(rows: RowIndex, pipelines, sampled: list[int], vocab_size: int) -> dict:
     """Steps 4-7, over the sampled requests' rows."""
     staged = rows.staged
 
@@ -575,7 +503,7 @@ def _stage_sampled_steps(rows: _Rows, pipelines, sampled: list[int], vocab_size:
     return steps
 
 
-def _stage_top_k_groups(rows: _Rows, pipelines, sampled: list[int], grouped: set[int]):
+def _stage_top_k_groups(rows: RowIndex, pipelines, sampled: list[int], grouped: set[int]):
     """One group per k of the ``grouped`` requests (W depends on k alone: each row gets the
     bits the reference gives it)."""
     groups = []

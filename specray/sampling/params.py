@@ -102,6 +102,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None  # finish after emitting one of these
     ignore_eos: bool = False  # do not stop at the model's end-of-sequence token
     max_tokens: int = 16  # generated tokens at most
+    # before this many output tokens, the stop ids (EOS unless ignore_eos, and stop_token_ids)
+    # cannot be drawn: vLLM's min_tokens, a position-dependent mask of the pipeline
+    min_tokens: int = 0
     seed: int | None = None  # None: the engine picks one and reports it in the output
 
     def __post_init__(self) -> None:
@@ -179,6 +182,12 @@ class SamplingParams:
         max_tokens = _check_int("max_tokens", self.max_tokens)
         if max_tokens < 1:
             _fail("max_tokens", f"max_tokens must be >= 1, got {max_tokens!r}")
+        min_tokens = _check_int("min_tokens", self.min_tokens)
+        if not 0 <= min_tokens <= max_tokens:
+            _fail(
+                "min_tokens",
+                f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens!r}",
+            )
         if self.seed is not None:
             seed = _check_int("seed", self.seed)
             if not 0 <= seed <= MAX_SEED:

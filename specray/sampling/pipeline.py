@@ -6,7 +6,8 @@ decision (draft sampling, acceptance, residual, bonus) comes from the same rules
 output, and the candidate tokens before the position.
 
 Order of operations (each step a no-op when its parameter is at the default):
-  1. logit bias, then the allowed / banned masks (-inf)
+  1. logit bias, then the allowed / banned masks (-inf); at output positions before
+     ``min_tokens``, the stop ids too (EOS unless ignore_eos, and stop_token_ids)
   2. repetition penalty (prompt + output tokens), presence and frequency penalties (output)
   3. greedy: one-hot at the argmax (ties -> lowest id); otherwise
   4. temperature, 5. min-p, 6. top-k (ties at the k-th value kept), 7. top-p, 8. softmax
@@ -58,12 +59,22 @@ class _DeviceParts:
     """A request's static tensors on one device (built there on first use)."""
 
     additive: torch.Tensor | None  # [vocab] float32, step 1's term; None: skipped
+    early_additive: torch.Tensor | None  # [vocab] float32, the term before min_tokens
     in_prompt: torch.Tensor | None  # [vocab] bool, prompt tokens (repetition penalty only)
     # 0-dim float32 divisors on the device: CUDA turns a division by a Python number into a
     # multiplication by its reciprocal (not always the same float), the batched pass divides
     # by a tensor; dividing by a tensor here keeps the two bit-identical on every device.
     temperature: torch.Tensor  # []
     repetition_penalty: torch.Tensor  # []
+
+
+def _dense_term(term: tuple[float, dict[int, float]], vocab_size: int, device) -> torch.Tensor:
+    """A step-1 term ``(fill, {id: value})`` as a ``[vocab]`` float32 tensor."""
+    fill, entries = term
+    dense = torch.full((vocab_size,), fill, device=device)
+    ids = torch.tensor(list(entries), dtype=torch.int64, device=device)
+    dense[ids] = torch.tensor(list(entries.values()), dtype=torch.float32, device=device)
+    return dense
 
 
 class LogitsPipeline:
@@ -74,8 +85,14 @@ class LogitsPipeline:
     """
 
     def __init__(
-        self, params: SamplingParams, vocab_size: int, prompt_token_ids: Sequence[int] = ()
+        self,
+        params: SamplingParams,
+        vocab_size: int,
+        prompt_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] | None = None,
     ):
+        """``stop_token_ids``: what ends this request (EOS unless ignore_eos, and
+        ``params.stop_token_ids``; None: the latter alone), masked before ``min_tokens``."""
         params.check_vocab(vocab_size)
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
         if bad:
@@ -85,6 +102,12 @@ class LogitsPipeline:
         self.params = params
         self.vocab_size = vocab_size
         self.additive = additive_entries(params, vocab_size)  # (fill, {id: value}) or None
+        stop = (params.stop_token_ids or ()) if stop_token_ids is None else stop_token_ids
+        # The term of the rows before min_tokens: step 1's with the stop ids at -inf.
+        self.early_additive = None
+        if params.min_tokens > 0 and stop:
+            fill, entries = self.additive or (0.0, {})
+            self.early_additive = (fill, {**entries, **dict.fromkeys(sorted(stop), NEG_INF)})
         # Tokens of the prompt, for the repetition penalty only (sorted, unique).
         self.prompt_token_set: tuple[int, ...] = (
             tuple(sorted(set(prompt_token_ids))) if params.repetition_penalty != 1.0 else ()
@@ -101,19 +124,18 @@ class LogitsPipeline:
         parts = self._device_parts.get(device)
         if parts is not None:
             return parts
-        params, additive, in_prompt = self.params, None, None
-        if self.additive is not None:
-            fill, entries = self.additive
-            additive = torch.full((self.vocab_size,), fill, device=device)
-            ids = torch.tensor(list(entries), dtype=torch.int64, device=device)
-            values = torch.tensor(list(entries.values()), dtype=torch.float32, device=device)
-            additive[ids] = values
+        params, in_prompt = self.params, None
+        additive, early = (
+            None if term is None else _dense_term(term, self.vocab_size, device)
+            for term in (self.additive, self.early_additive)
+        )
         if params.repetition_penalty != 1.0:
             in_prompt = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
             prompt = torch.tensor(self.prompt_token_set, dtype=torch.int64, device=device)
             in_prompt[prompt] = True
         parts = _DeviceParts(
             additive,
+            early,
             in_prompt,
             torch.tensor(params.temperature, dtype=torch.float32, device=device),
             torch.tensor(params.repetition_penalty, dtype=torch.float32, device=device),
@@ -144,6 +166,13 @@ class LogitsPipeline:
             counts[row:, candidate_token_ids[row - 1]] += 1
         return counts
 
+    def rows_before_min_tokens(self, num_output_tokens: int, rows: int) -> int:
+        """How many of ``rows`` consecutive rows, the first at output position
+        ``num_output_tokens``, come before ``min_tokens`` (0 when nothing is masked)."""
+        if self.early_additive is None:
+            return 0
+        return min(max(self.params.min_tokens - num_output_tokens, 0), rows)
+
     def processed_logits(
         self,
         logits: torch.Tensor,
@@ -159,7 +188,11 @@ class LogitsPipeline:
             )
         out = logits.to(torch.float32)
         parts = self.device_parts(out.device)
-        if parts.additive is not None:
+        early = self.rows_before_min_tokens(len(output_token_ids), rows)
+        if early:  # rows at output positions before min_tokens: the stop ids masked too
+            late = out[early:] if parts.additive is None else out[early:] + parts.additive
+            out = torch.cat([out[:early] + parts.early_additive, late])
+        elif parts.additive is not None:
             out = out + parts.additive
         if not self.uses_output_history:
             return out

@@ -41,7 +41,14 @@ DEFAULT_HEALTH_INTERVAL_S = 1.0  # how often Watch subscribers see backend.healt
 HEALTH_CHECK_TIMEOUT_S = 5.0  # a backend.health() call slower than this counts as unhealthy
 
 # SamplingParams fields whose proto zero value equals the default: sent only when non-zero.
-_PLAIN_PARAMS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "ignore_eos")
+_PLAIN_PARAMS = (
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "ignore_eos",
+    "min_tokens",
+)
 # `optional` proto fields: sent only when set, so unset means SamplingParams' default.
 _OPTIONAL_PARAMS = ("temperature", "top_p", "repetition_penalty", "max_tokens", "seed")
 

@@ -116,6 +116,7 @@ SAMPLING_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "seed": _integer,
     "ignore_eos": _boolean,
     "stop_token_ids": _token_ids,
+    "min_tokens": _integer,
     "allowed_token_ids": _token_ids,
 }
 COMMON_FIELDS = {"model", "n", "stop", "stream", "stream_options", "user", "max_tokens"}

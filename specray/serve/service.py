@@ -117,7 +117,10 @@ class CoordinatorService:
         )
         request_id = stream.request_id
         text = TextStream(
-            self.tokenizer, request.stop, include_stop=request.include_stop_str_in_output
+            self.tokenizer,
+            request.stop,
+            include_stop=request.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
         )
         if request.resume_token_ids:
             # A resumed request: the caller has (most of) these tokens' text already; it is

@@ -14,18 +14,26 @@ class TextStream:
     ``push(token_ids)`` returns the text that is safe to emit: it holds back a trailing
     incomplete character, and the last ``len(longest stop) - 1`` characters, which could be
     the start of a stop string. ``stopped`` is set when a stop string appeared; the text then
-    ends right before it (right after it with ``include_stop``). ``flush()`` returns what was
-    held back once the output is final.
+    ends right before it (right after it with ``include_stop``); none counts before
+    ``min_tokens`` tokens. ``flush()`` returns what was held back once the output is final.
 
     Decoding is incremental: each push decodes only the tokens since the last complete
     character, with the chunk before them as context (a token's text can depend on its left
     neighbour), so a long output costs O(length), not O(length^2), per request.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), *, include_stop: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        stop: Sequence[str] = (),
+        *,
+        include_stop: bool = False,
+        min_tokens: int = 0,
+    ):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.include_stop = include_stop
+        self.min_tokens = min_tokens  # stop strings count from this many tokens on (vLLM's)
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""  # decoded so far (stop applied)
@@ -39,7 +47,7 @@ class TextStream:
         if self.stopped or self.tokenizer is None:
             return ""
         self._decode_new(force=False)
-        found = self._first_stop(self.text)
+        found = self._first_stop(self.text) if len(self.token_ids) >= self.min_tokens else None
         if found is not None:
             cut, stop = found
             self.text, self.stopped = self.text[: cut + len(stop) * self.include_stop], True

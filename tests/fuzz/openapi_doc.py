@@ -36,6 +36,8 @@ def _sampling_properties(vocab_size: int) -> dict:
         "seed": {"type": "integer", "minimum": 0, "maximum": INT64_MAX},
         "ignore_eos": {"type": "boolean"},
         "stop_token_ids": {"type": "array", "items": token_id, "maxItems": 4},
+        # at most the least max_tokens, so that a body the schema accepts is valid
+        "min_tokens": {"type": "integer", "minimum": 0, "maximum": 1},
         "allowed_token_ids": {"type": "array", "items": token_id, "minItems": 1, "maxItems": 4},
         "stop": {
             "anyOf": [
@@ -55,7 +57,7 @@ def _sampling_properties(vocab_size: int) -> dict:
         },
         "user": {"type": "string", "maxLength": 16},
         "num_speculative_tokens": {"type": "integer", "minimum": 0, "maximum": 8},
-        "speculation": {"enum": ["auto", "off"]},
+        "speculation": {"enum": ["auto", "on", "off"]},
         "timeout": {"type": "number", "exclusiveMinimum": 0, "maximum": 30},
     }
 

@@ -282,6 +282,8 @@ def test_speculation_modes_per_request(served, engine_greedy):
     with Client(served.target) as client:
         on = client.generate(**fields, speculation="on")
         off = client.generate(**fields, speculation="off")
+        held = client.generate(**fields, min_tokens=12)  # no stop id before 12 tokens
+    assert len(held.token_ids) == 12
     assert on.token_ids == off.token_ids
     assert off.speculative_decoding["num_drafts"] == 0
     assert on.speculative_decoding["num_drafts"] > 0

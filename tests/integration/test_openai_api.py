@@ -308,13 +308,9 @@ def test_stop_string(served, client, engine):
     assert "".join(c.choices[0].text for c in stream) == expected
 
 
-def test_stop_string_kept_on_request(served, client, engine):
-    """vLLM's include_stop_str_in_output: the output ends right after the stop string."""
-    text = _greedy(engine, PROMPT, chat=False).text
-    stop = text[6:9]
-    expected = text[: text.find(stop) + len(stop)]
-    extra = {"include_stop_str_in_output": True}
-    completion = client.completions.create(
+def _greedy_completion(client, stop: str, extra: dict):
+    """The prompt's greedy completion with ``stop`` and vLLM fields ``extra``."""
+    return client.completions.create(
         model=MODEL,
         prompt=PROMPT,
         max_tokens=MAX_TOKENS,
@@ -322,6 +318,15 @@ def test_stop_string_kept_on_request(served, client, engine):
         stop=[stop],
         extra_body=extra,
     )
+
+
+def test_stop_string_kept_on_request(served, client, engine):
+    """vLLM's include_stop_str_in_output: the output ends right after the stop string."""
+    text = _greedy(engine, PROMPT, chat=False).text
+    stop = text[6:9]
+    expected = text[: text.find(stop) + len(stop)]
+    extra = {"include_stop_str_in_output": True}
+    completion = _greedy_completion(client, stop, extra)
     assert completion.choices[0].text == expected
     assert completion.choices[0].finish_reason == "stop"
     stream = client.completions.create(
@@ -334,6 +339,25 @@ def test_stop_string_kept_on_request(served, client, engine):
         extra_body=extra,
     )
     assert "".join(c.choices[0].text for c in stream) == expected
+
+
+def test_min_tokens_holds_the_end_off(served, client, engine):
+    """vLLM's min_tokens: no stop id (EOS here) and no stop string before that many tokens;
+    the served output is the engine's with the same min_tokens."""
+    from specray.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+    expected = engine.generate(PROMPT, params, use_chat_template=False)[0]
+    assert len(expected.token_ids) == MAX_TOKENS
+    stop = next(
+        expected.text[:n] for n in range(1, 6) if expected.text.find(expected.text[:n], 1) < 0
+    )  # at the very start, and nowhere after
+    completion = _greedy_completion(client, stop, {"min_tokens": MAX_TOKENS})
+    assert completion.choices[0].text == expected.text
+    assert completion.usage.completion_tokens == MAX_TOKENS
+    for bad in ({"min_tokens": -1}, {"min_tokens": MAX_TOKENS + 1}):
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS} | bad
+        _assert_error(httpx.post(f"{served.url()}/v1/completions", json=body), 400, "min_tokens")
 
 
 # ---- chat --------------------------------------------------------------------------------

@@ -209,6 +209,9 @@ CASES = [
     Case("logit_bias", {"logit_bias": {1: 2.0}}),
     Case("allowed_token_ids", {"allowed_token_ids": [0, 2, 3]}),
     Case("banned_token_ids", {"banned_token_ids": [3]}),  # the likeliest first token
+    # Stop id 3 (the likeliest first token) masked at positions 0 and 1, allowed at 2 (where
+    # it ends the request with its last token).
+    Case("min_tokens", {"min_tokens": 2, "stop_token_ids": [3]}),
     Case(
         "combined",
         {"temperature": 0.8, "top_k": 4, "presence_penalty": 0.5, "banned_token_ids": [2]},
@@ -231,7 +234,11 @@ def test_generations_follow_target_distribution(
     generations[case.name] = outputs
     record_property("fit", fit.describe())
     assert [output.seed for output in outputs] == list(range(NUM_SAMPLES))
-    assert all(output.finish_reason == "length" for output in outputs)
+    stop_ids = set(case.options.get("stop_token_ids", ()))
+    assert all(
+        output.finish_reason == ("stop" if output.token_ids[-1] in stop_ids else "length")
+        for output in outputs
+    )
     assert fit.impossible_count == 0, f"{case.name}: impossible sequences sampled; {fit.describe()}"
     assert fit.p_value >= ALPHA, f"{case.name}: rejected; {fit.describe()}"
     # The rule really ran: drafts were proposed, some rejected, some blocks fully accepted.
@@ -324,6 +331,19 @@ def test_negative_control_wrong_rule_is_rejected(rule, target, draft, monkeypatc
     assert fit.p_value < ALPHA, (
         f"{rule}: the harness failed to reject a wrong rule; {fit.describe()}"
     )
+
+
+def test_min_tokens_is_seen_by_the_fit(target, draft, generations):
+    """Negative control of the min_tokens case: its samples tested against the law without
+    min_tokens (stop id 3 allowed everywhere) are rejected at ALPHA = 0.001, N = 2000."""
+    case = next(case for case in CASES if case.name == "min_tokens")
+    if case.name not in generations:
+        generations[case.name] = run_case(case, target, draft)[0]
+    without = SamplingParams(stop_token_ids=[3], ignore_eos=True, max_tokens=3)
+    wrong = exact_sequence_probs(target, PROMPT, without, 3)
+    outputs = generations[case.name]
+    wrong_fit = chi_square_fit([tuple(output.token_ids) for output in outputs], wrong)
+    assert wrong_fit.p_value < ALPHA, wrong_fit.describe()
 
 
 def test_harness_rejects_a_wrong_oracle(target, draft, base_outputs):
