@@ -133,7 +133,15 @@ IGNORED_FIELDS = {
 VLLM_FIELDS = {"include_stop_str_in_output"}
 SPECRAY_FIELDS = {"num_speculative_tokens", "speculation", "timeout"}
 COMPLETION_FIELDS = {"prompt", "echo", "logprobs", "best_of", "suffix"}
-CHAT_FIELDS = {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_FIELDS = {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+}
 
 
 def _check_fields(body: Mapping, endpoint_fields: set[str]) -> None:
@@ -400,6 +408,32 @@ def parse_completion(body: Any, served_model: str) -> ApiCall:
     return _build(body, chat=False, model=model, prompts=prompts, params=params)
 
 
+def _check_plain_text_output(body: Mapping) -> None:
+    """What SDKs send for plain text is accepted: ``response_format`` ``{"type": "text"}``,
+    ``tools: []``, ``tool_choice`` "none" (or "auto" without tools). Structured outputs and
+    tool calls are refused by name until they are served."""
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        _reject_if(
+            kind != "text" or set(response_format) != {"type"},
+            "response_format",
+            response_format,
+            'only {"type": "text"} is served (structured outputs are not yet)',
+        )
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _invalid("tools", f"tools must be a list, got {_show(tools)}")
+    _reject_if(bool(tools), "tools", tools, "tool calls are not served yet: send [] or omit it")
+    choice = body.get("tool_choice")
+    _reject_if(
+        choice not in (None, "none", "auto"),
+        "tool_choice",
+        choice,
+        'without tools only "none" or "auto" mean anything',
+    )
+
+
 # ---- chat completions --------------------------------------------------------------------
 def parse_chat(body: Any, served_model: str) -> ApiCall:
     """``POST /v1/chat/completions`` body -> :class:`ApiCall`. Without ``max_tokens`` /
@@ -408,6 +442,7 @@ def parse_chat(body: Any, served_model: str) -> ApiCall:
     logprobs, top_logprobs = body.get("logprobs"), body.get("top_logprobs")
     _reject_if(logprobs not in (None, False), "logprobs", logprobs, "omit it or send false")
     _reject_if(top_logprobs is not None, "top_logprobs", top_logprobs, "omit it")
+    _check_plain_text_output(body)
     if "messages" not in body:
         raise _invalid("messages", "messages is required")
     prompts = [{"messages": tuple(check_messages(body["messages"]))}]

@@ -124,6 +124,14 @@ def chat_schema(vocab_size: int, model: str) -> dict:
             "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS},
             "logprobs": {"enum": [False]},
             "top_logprobs": {"type": "null"},
+            "response_format": {
+                "type": "object",
+                "required": ["type"],
+                "additionalProperties": False,
+                "properties": {"type": {"enum": ["text"]}},
+            },
+            "tools": {"type": "array", "items": {"type": "null"}, "maxItems": 0},
+            "tool_choice": {"enum": ["none", "auto"]},
             **_sampling_properties(vocab_size),
         },
     }

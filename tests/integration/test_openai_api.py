@@ -364,7 +364,8 @@ def test_min_tokens_holds_the_end_off(served, client, engine):
 def test_fields_sdks_send_are_accepted(served, client, engine):
     """What SDKs and frameworks send by default changes nothing generated: storage, billing
     and cache fields are ignored, a developer turn is the system turn, a missing model is the
-    served one."""
+    served one; a plain-text response_format, no tools and tool_choice "none" ask for what a
+    plain call gives."""
     system = {"role": "system", "content": "Answer in one word."}
     question = {"role": "user", "content": QUESTION}
     plain = client.chat.completions.create(
@@ -382,6 +383,9 @@ def test_fields_sdks_send_are_accepted(served, client, engine):
         prompt_cache_key="k1",
         safety_identifier="user-1",
         user="user-1",
+        response_format={"type": "text"},
+        tool_choice="none",
+        extra_body={"tools": []},
     )
     assert lenient.choices[0].message.content == plain.choices[0].message.content
     body = {"messages": [system, question], "max_tokens": MAX_TOKENS, "temperature": 0}
@@ -503,6 +507,10 @@ BAD_CHATS = [
     ({"logprobs": True}, "logprobs"),
     ({"max_completion_tokens": "many"}, "max_completion_tokens"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": "text"}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": "none"}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
 ]
 
 
