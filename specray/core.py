@@ -37,7 +37,8 @@ from specray.sampling import (
 )
 from specray.sampling.batch_pipeline import BatchLogitsPipeline
 from specray.sampling.rng import seed_tensor
-from specray.sampling.verify_sparse import DraftProbs, RulesWorkspace, verify_blocks
+from specray.sampling.rows import Workspace
+from specray.sampling.verify_sparse import DraftProbs, verify_blocks
 from specray.target_rounds import prefill_span
 
 
@@ -191,7 +192,7 @@ class TargetCore:
         self.prefilling: set[Hashable] = set()  # requests whose cache stops short of the prompt
         self.forward_s = 0.0  # seconds in verification forwards (the rest of a round is rules)
         self._batch_pipeline = BatchLogitsPipeline()  # every request's p in one pass per round
-        self._rules_workspace = RulesWorkspace()  # the rules' final rows, reused
+        self._rules_workspace = Workspace()  # the rules' final rows, reused
 
     def prefill(
         self, requests: Sequence[RequestState], until: Mapping[Hashable, int | None] | None = None

@@ -45,7 +45,8 @@ from specray.sampling import (
 )
 from specray.sampling.batch_pipeline import BatchLogitsPipeline
 from specray.sampling.rng import seed_tensor
-from specray.sampling.verify_sparse import RulesWorkspace, verify_blocks
+from specray.sampling.rows import Workspace
+from specray.sampling.verify_sparse import verify_blocks
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class _Round:
         self.checked = [check_block(message, config.vocab) for message in messages]
         self.randoms = [KeyedRandom(1000 + b) for b in range(config.batch)]
         self.num_draft = torch.full((config.batch,), config.k, dtype=torch.int64)  # [batch]
-        self.workspace = RulesWorkspace()  # kept from round to round, as the target keeps it
+        self.workspace = Workspace()  # kept from round to round, as the target keeps it
         self.draft_ids = torch.tensor([block.token_ids for block in self.checked])  # [batch, k]
 
     def uniforms(self) -> VerifyUniforms:

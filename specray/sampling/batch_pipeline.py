@@ -41,7 +41,7 @@ from itertools import groupby
 import torch
 
 from specray.sampling.pipeline import NEG_INF, LogitsPipeline
-from specray.sampling.rows import consecutive_rows
+from specray.sampling.rows import Workspace, consecutive_rows
 from specray.sampling.staging import RowIndex, Staging
 from specray.sampling.top_k import TopK, TopKGroup, takes_candidates, top_k_probs, top_values
 
@@ -150,10 +150,11 @@ class SamplingMetadata:
 class BatchLogitsPipeline:
     """Runs :class:`SamplingMetadata` over a forward's logits; holds a workspace reused from
     forward to forward (on a CPU a fresh ``[80, 128256]`` float32 buffer costs ~18 ms of page
-    faults, most of a softmax's time there). Results never alias the workspace."""
+    faults, most of a softmax's time there). The probabilities it returns are views of that
+    workspace, valid until its next call."""
 
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}  # name -> [rows, vocab]
+        self._workspace = Workspace()
 
     def __call__(
         self,
@@ -194,7 +195,7 @@ class BatchLogitsPipeline:
         out = consecutive_rows(parts)  # [R, vocab], only read
         owned = out is None or out.dtype != torch.float32  # out is the workspace, ours to change
         if owned:
-            out = self._buffer("logits", total, vocab_size, torch.float32, parts[0].device)
+            out = self._workspace.rows("logits", total, vocab_size, torch.float32, parts[0].device)
             torch.cat(parts, out=out)
         if metadata.additive is not None or metadata.penalties is not None:
             out, owned = out if owned else self._copy(out), True
@@ -220,7 +221,7 @@ class BatchLogitsPipeline:
         be changed only when ``owned``."""
         # Into the workspace: a fresh [R, vocab] output of every forward cost more in page
         # faults than the softmax itself on a CPU (docs/bench/history.md).
-        probs = self._buffer("probs", num_sampled, out.shape[1], torch.float32, out.device)
+        probs = self._workspace.rows("probs", num_sampled, out.shape[1], torch.float32, out.device)
         if metadata.top_k_groups:
             probs.zero_()  # the groups write their rows' candidates only
         for group in metadata.top_k_groups:  # before the dense path, which may change out
@@ -244,7 +245,9 @@ class BatchLogitsPipeline:
             if temperature is not None:
                 logits.div_(temperature)
         elif temperature is not None:  # the copy into the workspace divides on the way
-            target = out if owned else self._buffer("logits", *out.shape, out.dtype, out.device)
+            target = (
+                out if owned else self._workspace.rows("logits", *out.shape, out.dtype, out.device)
+            )
             logits = torch.div(out, temperature, out=target)
         else:
             logits = self._copy(out) if changes and not owned else out
@@ -258,11 +261,13 @@ class BatchLogitsPipeline:
 
     def _rows(self, out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """A copy of ``out[rows]`` in the workspace."""
-        target = self._buffer("rows", len(rows), out.shape[1], out.dtype, out.device)
+        target = self._workspace.rows("rows", len(rows), out.shape[1], out.dtype, out.device)
         return torch.index_select(out, 0, rows, out=target)
 
     def _copy(self, logits: torch.Tensor) -> torch.Tensor:
-        return self._buffer("logits", *logits.shape, torch.float32, logits.device).copy_(logits)
+        return self._workspace.rows("logits", *logits.shape, torch.float32, logits.device).copy_(
+            logits
+        )
 
     def _top_k_step(self, top_k: TopK) -> Callable[[torch.Tensor], None]:
         def step(logits: torch.Tensor) -> None:  # [n, vocab]
@@ -270,26 +275,11 @@ class BatchLogitsPipeline:
             # asked for, so one topk with the largest k serves every row.
             top = top_values(logits, top_k.largest_k)  # [n, largest_k]
             kth = top[:, -1:] if top_k.kth_index is None else top.gather(1, top_k.kth_index)
-            below = self._buffer("mask", *logits.shape, torch.bool, logits.device)
+            below = self._workspace.rows("mask", *logits.shape, torch.bool, logits.device)
             torch.lt(logits, kth, out=below)  # ties at the k-th value are kept
             _fill_neg_inf(logits, below)
 
         return step
-
-    def _buffer(
-        self, name: str, rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """The first ``rows`` rows of workspace buffer ``name``, ``[rows, vocab]``."""
-        buffer = self._buffers.get(name)
-        if (
-            buffer is None
-            or buffer.device != device
-            or buffer.shape[0] < rows
-            or buffer.shape[1] != vocab_size
-        ):
-            buffer = torch.empty(rows, vocab_size, dtype=dtype, device=device)
-            self._buffers[name] = buffer
-        return buffer[:rows]
 
 
 def _fill_neg_inf(logits: torch.Tensor, mask: torch.Tensor) -> None:

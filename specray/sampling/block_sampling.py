@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from specray.sampling.rng import last_positive
+
 BLOCK = 256  # ids per block: 501 blocks at Llama 3's 128256
 
 
@@ -59,7 +61,7 @@ def sample_blocked(
     target = uniforms.to(torch.float64).reshape(n, 1) * total  # [n, 1]
     block = torch.searchsorted(boundaries, target, right=True)  # [n, 1]
     # u * total rounded up to the total: the last block with mass.
-    block = torch.where(block >= num_blocks, _last_positive(masses), block)
+    block = torch.where(block >= num_blocks, last_positive(masses)[:, None], block)
     previous = boundaries.gather(1, (block - 1).clamp(min=0))  # [n, 1]
     before = torch.where(block > 0, previous, torch.zeros_like(previous))  # mass before it
     columns = block * BLOCK + torch.arange(BLOCK, device=device)  # [n, BLOCK]
@@ -69,16 +71,10 @@ def sample_blocked(
     offset = torch.searchsorted(cumulative, target, right=True)  # [n, 1]
     # The block's float32 mass and the float64 sum of its values differ in the last bits:
     # u * total past the latter takes the block's last token with mass.
-    offset = torch.where(offset >= BLOCK, _last_positive(values), offset)
+    offset = torch.where(offset >= BLOCK, last_positive(values)[:, None], offset)
     if bool((~torch.isfinite(total) | (total <= 0)).any()):  # the host read
         raise ValueError(
             "sampling needs finite, non-negative rows with positive mass; got row sums "
             f"{total.squeeze(-1).tolist()}"
         )
     return (block * BLOCK + offset).squeeze(-1)
-
-
-def _last_positive(values: torch.Tensor) -> torch.Tensor:
-    """Per row, the last column with positive value: ``[n, m] -> [n, 1]``."""
-    flipped = (values > 0).flip(-1).to(torch.int8)
-    return (values.shape[-1] - 1) - flipped.argmax(dim=-1, keepdim=True)

@@ -141,7 +141,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
         raise _no_distribution(total)
     token_ids = _inverse_cdf(cdf, uniforms)  # [n]
     # u * total can round up to total: fall back to the last token with positive mass.
-    return torch.minimum(token_ids, _last_positive(probs))
+    return torch.minimum(token_ids, last_positive(probs))
 
 
 def _inverse_cdf(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -149,7 +149,7 @@ def _inverse_cdf(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, targets, right=True).squeeze(-1)  # [n]
 
 
-def _last_positive(probs: torch.Tensor) -> torch.Tensor:
+def last_positive(probs: torch.Tensor) -> torch.Tensor:
     """Per row, the largest id with positive mass: ``[n, vocab] -> [n]``."""
     return (probs.shape[-1] - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
 

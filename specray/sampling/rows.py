@@ -1,4 +1,5 @@
-"""Per-request row sets of one round as one tensor, without copying when they already are."""
+"""Per-request row sets of one round as one tensor, without copying when they already are, and
+the row buffers the per-round passes reuse."""
 
 from __future__ import annotations
 
@@ -28,3 +29,29 @@ def consecutive_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
         address += part.numel() * part.element_size()
     rows, vocab_size = sum(part.shape[0] for part in parts), first.shape[1]
     return first.as_strided((rows, vocab_size), (vocab_size, 1))
+
+
+class Workspace:
+    """``[rows, vocab]`` buffers by name, kept from call to call by their owner (the batched
+    logits pass, the verification rules): on a CPU a fresh output of that size per round costs
+    more in page faults than the pass that fills it (docs/bench/history.md)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}  # name -> [at least rows, vocab]
+
+    def rows(
+        self, name: str, rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The first ``rows`` rows of buffer ``name``, ``[rows, vocab]``, valid until the
+        next call for that name."""
+        buffer = self._buffers.get(name)
+        if (
+            buffer is None
+            or buffer.dtype != dtype
+            or buffer.device != device
+            or buffer.shape[0] < rows
+            or buffer.shape[1] != vocab_size
+        ):
+            buffer = torch.empty(rows, vocab_size, dtype=dtype, device=device)
+            self._buffers[name] = buffer
+        return buffer[:rows]

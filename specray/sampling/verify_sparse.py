@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from specray.sampling.block_sampling import BLOCK, block_masses, sample_blocked
 from specray.sampling.encoding import SparseDraftProbs
-from specray.sampling.rows import consecutive_rows
+from specray.sampling.rows import Workspace, consecutive_rows
 from specray.sampling.verify import (
     DEGENERATE_RESIDUAL_MASS,
     MAX_SPEC_LEN,
@@ -91,28 +91,6 @@ class DraftProbsBatch:
         return DraftProbsBatch(token_ids=token_ids.to(device), values=values.to(device))
 
 
-class RulesWorkspace:
-    """The rules' one vocabulary-sized buffer, kept from round to round by its owner (a fresh
-    ``[batch, vocab]`` float32 tensor per round costs more in page faults on a CPU than the
-    copy into it)."""
-
-    def __init__(self) -> None:
-        self._final: torch.Tensor | None = None  # [rows, vocab] float32, rows >= batch
-
-    def final_rows(self, batch: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """``[batch, vocab]`` float32 on ``device``, valid until the next call."""
-        final = self._final
-        if (
-            final is None
-            or final.device != device
-            or final.shape[0] < batch
-            or (final.shape[1] != vocab_size)
-        ):
-            final = torch.empty(batch, vocab_size, dtype=torch.float32, device=device)
-            self._final = final
-        return final[:batch]
-
-
 def verify_blocks(
     draft_token_ids: torch.Tensor,  # [batch, k] int64
     num_draft_tokens: torch.Tensor,  # [batch] int64, draft tokens valid per row (<= k)
@@ -121,7 +99,7 @@ def verify_blocks(
     uniforms: VerifyUniforms,
     *,
     validate: bool = True,
-    workspace: RulesWorkspace | None = None,
+    workspace: Workspace | None = None,
 ) -> BatchVerifyResult:
     """The stochastic rule for one round's blocks, q dense or sparse (see module docstring).
 
@@ -134,7 +112,7 @@ def verify_blocks(
     """
     batch, k = draft_token_ids.shape
     _check_shapes(draft_token_ids, num_draft_tokens, draft_probs, target_probs, uniforms)
-    workspace = RulesWorkspace() if workspace is None else workspace
+    workspace = Workspace() if workspace is None else workspace
     device = draft_token_ids.device
     forms = [isinstance(block, SparseDraftProbs) for block in draft_probs]
     nonempty = [form for form, block in zip(forms, draft_probs, strict=True) if _rows(block)]
@@ -174,7 +152,7 @@ def _rules(
     draft: DraftProbsBatch,
     target_probs,
     uniforms,
-    workspace: RulesWorkspace,
+    workspace: Workspace,
 ):
     """One form's rule: ``(num_accepted [batch], final_token [batch])`` on the device."""
     batch, k = draft_token_ids.shape
@@ -190,7 +168,8 @@ def _rules(
 
     # Each request's final row, p at position num_accepted: a float32 copy the residual may
     # change in place.
-    final = target.final(num_accepted, workspace.final_rows(batch, vocab, num_accepted.device))
+    out = workspace.rows("final", batch, vocab, torch.float32, num_accepted.device)
+    final = target.final(num_accepted, out)  # [batch, vocab]
     final_uniform = uniforms.bonus  # [batch]
     if k == 0:
         return num_accepted, sample_blocked(final, final_uniform)

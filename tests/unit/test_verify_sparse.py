@@ -22,8 +22,8 @@ from specray.sampling import (
     verify_batch,
 )
 from specray.sampling.encoding import SparseDraftProbs, decode_sparse_draft_probs
-from specray.sampling.rows import consecutive_rows
-from specray.sampling.verify_sparse import RulesWorkspace, verify_blocks
+from specray.sampling.rows import Workspace, consecutive_rows
+from specray.sampling.verify_sparse import verify_blocks
 
 NUM_BATCHES = 200
 ENCODINGS = ["fp32", "top1", "top4", "top64"]
@@ -127,7 +127,7 @@ def test_consecutive_rows_are_read_in_place(encoding):
     """The pipeline's rows are views of one tensor: read through one view, with a workspace
     kept across rounds, they commit what separate row sets commit."""
     generator = torch.Generator().manual_seed(17)
-    workspace = RulesWorkspace()
+    workspace = Workspace()
     for index in range(30):
         inputs = _random_round(generator, encoding, 600, 6, 4, (0.5, 3.0, 12.0)[index % 3])
         draft_ids, num_draft, dense_q, received_q, targets, uniforms = inputs
