@@ -16,6 +16,7 @@ h_0 .. h_{P-2}, each round the rows of pending and the accepted drafts (the rows
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from specray.sampling import (
     verify_batch_greedy_ids,
 )
 from specray.sampling.batch_pipeline import BatchLogitsPipeline
+from specray.sampling.logprobs import TokenLogprob, scored_rows, unpack
 from specray.sampling.rng import seed_tensor
 from specray.sampling.rows import Workspace
 from specray.sampling.verify_sparse import DraftProbs, verify_blocks
@@ -53,6 +55,10 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
+    # With params.logprobs: one per output token. With params.prompt_logprobs: prompt
+    # positions 1 .. len(prompt) - 1 as far as they are cached (position 0 has none).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @staticmethod
     def create(
@@ -115,6 +121,10 @@ class RequestState:
             finish_reason=self.finish_reason or "length",
             seed=self.random.seed,
             metrics=self.metrics,
+            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            prompt_logprobs=(
+                [None, *self.prompt_logprobs] if self.params.prompt_logprobs is not None else None
+            ),
             **timing,
         )
 
@@ -202,7 +212,7 @@ class TargetCore:
         (chunked prefill: a long prompt over several rounds, beside other requests' decoding).
         Returns the requests whose cache still stops short (also kept in ``prefilling``).
         """
-        feeds, starts, short = {}, {}, set()
+        feeds, starts, short, scored = {}, {}, set(), {}
         for request in requests:
             seq_id = request.request_id
             cached = self.runner.length(seq_id) if seq_id in self.runner else 0
@@ -210,14 +220,21 @@ class TargetCore:
             end, still_short = prefill_span(cached, len(request.prompt_token_ids) - 1, grant)
             if end > cached:
                 feeds[seq_id], starts[seq_id] = request.prompt_token_ids[cached:end], cached
+                if request.params.prompt_logprobs is not None and not request.output_token_ids:
+                    scored[seq_id] = request  # (a replayed request's are delivered already)
             if still_short:
                 short.add(seq_id)
         self.prefilling.difference_update(request.request_id for request in requests)
         self.prefilling |= short
+        sizes = {seq_id: len(feeds[seq_id]) for seq_id in scored}  # logits of every position
         if not self.keep_features:
-            self.runner.forward(feeds, {})
+            logits = self.runner.forward(feeds, sizes)
+            self._score_prompts(scored, starts, logits)
             return short
-        _, hidden = self.runner.forward(feeds, {}, num_hidden={k: len(v) for k, v in feeds.items()})
+        logits, hidden = self.runner.forward(
+            feeds, sizes, num_hidden={k: len(v) for k, v in feeds.items()}
+        )
+        self._score_prompts(scored, starts, logits)
         for request in requests:
             if request.request_id not in self._features:
                 self._features[request.request_id] = FeatureRows(self.hidden_size)
@@ -226,6 +243,29 @@ class TargetCore:
                     starts[request.request_id], hidden[request.request_id]
                 )
         return short
+
+    @staticmethod
+    def _score_prompts(scored, starts, logits) -> None:
+        """Prompt positions ``s+1 .. e`` of each scored request from its chunk's logits, read
+        to the host in one copy."""
+        if not scored:
+            return
+        width = max(request.params.prompt_logprobs for request in scored.values())
+        parts, predicted = [], {}
+        for seq_id, request in scored.items():
+            rows = logits[seq_id]  # [e - s, vocab]: position s + i predicts prompt[s + i + 1]
+            start = starts[seq_id]
+            predicted[seq_id] = request.prompt_token_ids[start + 1 : start + 1 + rows.shape[0]]
+            ids = torch.tensor(predicted[seq_id], dtype=torch.int64, device="cpu")
+            parts.append(scored_rows(rows, ids.to(rows.device), width))
+        host = iter(torch.cat(parts).tolist())
+        for seq_id, request in scored.items():
+            tokens = predicted[seq_id]
+            top = [request.params.prompt_logprobs] * len(tokens)
+            del request.prompt_logprobs[starts[seq_id] :]  # a chunk cached again replaces its own
+            request.prompt_logprobs.extend(
+                unpack(list(itertools.islice(host, len(tokens))), tokens, top)
+            )
 
     def target_features(self, request_id: Hashable) -> torch.Tensor:
         """h_0 .. h_{T-2} of a request with T committed tokens: ``[T - 1, hidden]`` (a view)."""
@@ -265,6 +305,7 @@ class TargetCore:
         )
         results = self._verify(requests, blocks, target_rows)
         self.forward_s += timer.seconds()  # the results' copy waited for the device already
+        before = [len(request.output_token_ids) for request in requests]
         for request, committed in zip(requests, results, strict=True):
             num_draft = len(blocks[request.request_id][0])
             num_accepted = len(committed) - 1
@@ -275,7 +316,49 @@ class TargetCore:
             if self.keep_features:  # and their h: the committed positions now cached
                 store = self._features[request.request_id]
                 store.write(len(store), hidden[request.request_id][: num_accepted + 1])
+        self._score_outputs(requests, before, logits, target_rows)
         return results
+
+    @staticmethod
+    def _score_outputs(requests, before, logits, target_rows) -> None:
+        """Log-probabilities of the tokens each asking request committed this round, from its
+        rows of this round (row j: output position ``before + j``), read in one copy."""
+        asking = [
+            (request, start, rows)
+            for request, start, rows in zip(requests, before, target_rows, strict=True)
+            if request.params.logprobs is not None and len(request.output_token_ids) > start
+        ]
+        if not asking:
+            return
+        width = max(request.params.logprobs for request, _, _ in asking)
+        device = logits[asking[0][0].request_id].device
+        token_ids = [t for request, start, _ in asking for t in request.output_token_ids[start:]]
+        ids = torch.tensor(token_ids, dtype=torch.int64, device="cpu").to(device)  # [m]
+        parts, offset = [], 0
+        for request, start, rows in asking:
+            params, tokens = request.params, request.output_token_ids[start:]
+            raw = logits[request.request_id][: len(tokens)]  # [count, vocab]
+            own = ids[offset : offset + len(tokens)]
+            offset += len(tokens)
+            if params.logprobs_mode == "raw":
+                parts.append(scored_rows(raw, own, width))
+            elif params.greedy:  # drawn as the argmax of the processed logits
+                history = request.output_token_ids[:start]
+                processed = request.pipeline.processed_logits(raw, history, tokens)
+                parts.append(scored_rows(processed, own, width))
+            else:  # the pipeline's distribution rows
+                parts.append(scored_rows(rows[: len(tokens)], own, width, probs=True))
+        host = torch.cat(parts).tolist()  # [m, 2 + 2 * width]: the round's one extra copy
+        num_top = [
+            request.params.logprobs
+            for request, start, _ in asking
+            for _ in request.output_token_ids[start:]
+        ]
+        entries = iter(unpack(host, token_ids, num_top))
+        for request, start, _ in asking:
+            request.logprobs.extend(
+                itertools.islice(entries, len(request.output_token_ids) - start)
+            )
 
     def _verify(self, requests, blocks, target_rows) -> list[list[int]]:
         """Apply each request's rule; greedy and sampled requests are batched separately.

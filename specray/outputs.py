@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from specray.sampling.logprobs import TokenLogprob
+
 
 @dataclass
 class SpecDecodeMetrics:
@@ -70,6 +72,10 @@ class RequestOutput:
     time_to_first_token_s: float | None = None
     latency_s: float | None = None  # arrival to the last token
     chunk_gaps_s: list[float] = field(default_factory=list)  # between streamed chunks
+    # params.logprobs: one per token of token_ids; params.prompt_logprobs: one per prompt token,
+    # None for the first (vLLM's shapes); None when not asked.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def to_dict(self) -> dict:
         return {

@@ -34,9 +34,10 @@ from typing import Any
 
 import msgpack
 
+from specray.sampling.logprobs import TokenLogprob
 from specray.sampling.params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: logprobs in VerifyResult and Delta
 # Explicit msgpack limits on a decoded message (docs/design.md section 6): a message over them is
 # refused whole. Strings are request ids (at most 128 characters), enum values and finish reasons.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -96,11 +97,24 @@ class VerifyResult:
     finish_reason: str | None = None  # "stop" / "length" once the request ended
     dropped: Dropped | None = None  # the expected block was not used
     prefilling: bool = False  # only a chunk of the context was cached: nothing verified
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token (params.logprobs)
+    # params.prompt_logprobs: entries cached this round, the first for prompt position
+    # prompt_logprobs_from + 1 (entries are kept by position: a replayed chunk repeats some)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs_from: int = 0
 
     @staticmethod
-    def chunk(request_id: str) -> VerifyResult:
+    def chunk(
+        request_id: str, prompt_logprobs: tuple[TokenLogprob, ...] = (), start: int = 0
+    ) -> VerifyResult:
         """The result of a request that only prefilled part of its context this round."""
-        return VerifyResult(request_id, (), prefilling=True)
+        return VerifyResult(
+            request_id,
+            (),
+            prefilling=True,
+            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs_from=start,
+        )
 
 
 @dataclass(frozen=True)
@@ -224,6 +238,9 @@ class Delta:
     token_ids: tuple[int, ...]  # committed since the last delta
     finished: Finished | None = None
     error: ErrorInfo | None = None  # the request failed (admission or later): it is over
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids (params.logprobs)
+    # with a request's first tokens (params.prompt_logprobs): prompt positions 1 .. P - 1
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ forwards in lockstep (:mod:`specray.actors.tp_group`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import socket
 import time
@@ -217,6 +218,7 @@ class TargetWorker:
             s for s in states if s.request_id in fresh or s.request_id in self.core.prefilling
         ]
         prefilling = set()  # cached short of their context after this round's prefill
+        scored = {s.request_id: len(s.prompt_logprobs) for s in states}  # before this round
         if unready:
             until = {item.request_id: item.prefill_until for item in items}
             prefilling = self.core.prefill([self._replay_view(s) for s in unready], until)
@@ -230,6 +232,7 @@ class TargetWorker:
         blocks = {rid: (block.token_ids, block.draft_probs) for rid, block in checked.items()}
         forward_before = self.core.forward_s
         ready = [state for state in states if state.request_id not in prefilling]
+        logprobs_before = {s.request_id: len(s.logprobs) for s in ready}
         committed = dict(
             zip(
                 [state.request_id for state in ready],
@@ -240,8 +243,10 @@ class TargetWorker:
         forward_s = self.core.forward_s - forward_before
         results = []
         for item, state in zip(items, states, strict=True):
+            start = scored[state.request_id]
+            prompt_logprobs = tuple(state.prompt_logprobs[start:])
             if state.request_id in prefilling:  # a chunk of its prompt only: nothing to commit
-                results.append(VerifyResult.chunk(state.request_id))
+                results.append(VerifyResult.chunk(state.request_id, prompt_logprobs, start))
                 continue
             tokens = committed[state.request_id]
             block = checked.get(state.request_id)
@@ -258,11 +263,17 @@ class TargetWorker:
                     self._attach_features(verdict, held)
                 reply(verdict)
             num_draft = len(block.token_ids) if block is not None else 0
-            results.append(
-                self.rounds.result(
-                    item, tokens, num_draft, len(tokens) - 1, state.finish_reason, dropped
-                )
+            result = self.rounds.result(
+                item, tokens, num_draft, len(tokens) - 1, state.finish_reason, dropped
             )
+            if state.logprobs or prompt_logprobs:
+                result = dataclasses.replace(
+                    result,
+                    logprobs=tuple(state.logprobs[logprobs_before[state.request_id] :]),
+                    prompt_logprobs=prompt_logprobs,
+                    prompt_logprobs_from=start,
+                )
+            results.append(result)
             if state.finish_reason:
                 self.release([state.request_id])
         service_s = time.perf_counter() - entered

@@ -8,7 +8,7 @@
 from specray.client.aio import AsyncClient
 from specray.client.config import ClientConfig
 from specray.client.errors import SpecrayClientError
-from specray.client.results import Chunk, Completion, ModelInfo
+from specray.client.results import Chunk, Completion, ModelInfo, TokenLogprob
 from specray.client.retry import RetryPolicy
 from specray.client.sync import Client
 
@@ -21,4 +21,5 @@ __all__ = [
     "ModelInfo",
     "RetryPolicy",
     "SpecrayClientError",
+    "TokenLogprob",
 ]

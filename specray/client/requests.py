@@ -26,6 +26,9 @@ SAMPLING_PARAMS = (  # as specray.sampling.SamplingParams
     "max_tokens",
     "min_tokens",
     "seed",
+    "logprobs",  # 0..20: each output token's log-probability and that many most likely
+    "prompt_logprobs",  # the same for the prompt's tokens
+    "logprobs_mode",  # "raw" (the model's, the default) or "processed" (what was drawn from)
 )
 REQUEST_OPTIONS = ("stop", "num_speculative_tokens", "speculation", "request_id")
 

@@ -10,6 +10,38 @@ from specray.v1 import generation_pb2 as pb
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probabilities (natural log): the token there and the most likely."""
+
+    token_id: int
+    logprob: float  # -inf where the processed distribution excludes it
+    rank: int  # 1 + the tokens strictly more likely
+    top_token_ids: tuple[int, ...]  # the most likely first, as many as asked
+    top_logprobs: tuple[float, ...]
+
+    @staticmethod
+    def from_proto(message: pb.TokenLogprob) -> TokenLogprob:
+        return TokenLogprob(
+            token_id=message.token_id,
+            logprob=message.logprob,
+            rank=message.rank,
+            top_token_ids=tuple(message.top_token_ids),
+            top_logprobs=tuple(message.top_logprobs),
+        )
+
+
+def _logprobs(messages) -> tuple[TokenLogprob, ...] | None:
+    """None when the request did not ask (the message holds none)."""
+    return tuple(map(TokenLogprob.from_proto, messages)) or None
+
+
+def _prompt_logprobs(messages) -> tuple[TokenLogprob | None, ...] | None:
+    """vLLM's shape: None for the first prompt token (the message starts at the second)."""
+    entries = _logprobs(messages)
+    return None if entries is None else (None, *entries)
+
+
+@dataclass(frozen=True)
 class Completion:
     """A finished generation: the whole output, its usage and its speculative metrics."""
 
@@ -25,6 +57,11 @@ class Completion:
     )  # num_drafts, num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos, ...
     time_to_first_token_s: float | None = None
     latency_s: float | None = None  # arrival to the last token, on the server
+    # With ``logprobs``: one per token of token_ids. With ``prompt_logprobs``: one per prompt
+    # token, None for the first (nothing precedes it), as vLLM's. None when not asked (and
+    # for the prompt's when it has a single token: the message carries no position then).
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def usage(self) -> dict[str, int]:
@@ -59,6 +96,8 @@ class Completion:
             if final.HasField("time_to_first_token_s")
             else None,
             latency_s=final.latency_s if final.HasField("latency_s") else None,
+            logprobs=_logprobs(final.logprobs),
+            prompt_logprobs=_prompt_logprobs(final.prompt_logprobs),
         )
 
 
@@ -70,12 +109,14 @@ class Chunk:
     text: str
     token_ids: tuple[int, ...]
     completion: Completion | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token (when asked)
 
     @staticmethod
     def from_proto(response: pb.GenerateResponse) -> Chunk:
         if response.WhichOneof("event") == "final":
             return Chunk("", (), Completion.from_proto(response.final))
-        return Chunk(response.delta.text, tuple(response.delta.token_ids))
+        delta = response.delta
+        return Chunk(delta.text, tuple(delta.token_ids), logprobs=_logprobs(delta.logprobs))
 
 
 @dataclass(frozen=True)

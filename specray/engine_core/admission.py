@@ -31,6 +31,7 @@ def check_request(
     vocab_size: int,
     max_positions: int | None,
     in_flight: Container[str],
+    eos_token_ids: frozenset[int] = frozenset(),
 ) -> None:
     """Raise InvalidRequestError unless the prompt, params, request id and timeout are
     usable by this model and not a duplicate of a request ``in_flight``."""
@@ -49,7 +50,7 @@ def check_request(
                 param="prompt",
             )
     try:
-        params.check_vocab(vocab_size)
+        params.check_vocab(vocab_size, eos_token_ids)
     except ValueError as error:
         raise InvalidRequestError(str(error), param=getattr(error, "param", None)) from None
     if max_positions and len(prompt_token_ids) + params.max_tokens > max_positions:

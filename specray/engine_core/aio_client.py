@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
-from specray.engine_core.client import deliver, frontend_bytes, output_of
+from specray.engine_core.client import Delivered, deliver, frontend_bytes
 from specray.engine_core.streams import RequestStream
 from specray.errors import SpecrayError, UnavailableError, error_from_dict
 from specray.outputs import RequestOutput
@@ -35,11 +35,16 @@ class AsyncClientStream(RequestStream):
     resolves once the engine core took (or refused) the request."""
 
     def __init__(
-        self, request_id: str, prompt_token_ids: Sequence[int], committed: Sequence[int] = ()
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        committed: Sequence[int] = (),
     ):
         super().__init__(request_id)
         self.prompt_token_ids = list(prompt_token_ids)
-        self.token_ids: list[int] = list(committed)  # a resumed request's are its start
+        self._delivered = Delivered(request_id, prompt_token_ids, params, committed)
+        self.token_ids = self._delivered.token_ids  # a resumed request's are its start
         self.admitted: asyncio.Future = asyncio.get_running_loop().create_future()
         self.output: RequestOutput | None = None
 
@@ -50,13 +55,11 @@ class AsyncClientStream(RequestStream):
                 self.admitted.set_exception(error)
                 return
             self.admitted.set_result(None)
-        self.token_ids.extend(delta.token_ids)
+        new = self._delivered.take(delta)
         if delta.token_ids:
-            self._push(list(delta.token_ids))
+            self._push(new.token_ids, new.logprobs, new.prompt_logprobs)
         if delta.finished is not None:
-            self.output = output_of(
-                self.request_id, self.prompt_token_ids, self.token_ids, delta.finished
-            )
+            self.output = self._delivered.output(delta.finished)
             self._finish(self.output, None)
         elif error is not None:
             self._finish(None, error)
@@ -157,7 +160,7 @@ class AsyncEngineCoreClient:
             stream=stream,
         )
         payload = frontend_bytes(FrontendBatch(submits=(submit,)))
-        stream = AsyncClientStream(request_id, prompt_token_ids, committed_token_ids)
+        stream = AsyncClientStream(request_id, prompt_token_ids, params, committed_token_ids)
         self._streams[request_id] = stream
         self._outbox.put_nowait(payload)
         await stream.admitted

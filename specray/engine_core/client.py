@@ -30,10 +30,45 @@ from specray.protocol import (
 )
 from specray.rpc.messages import MAX_REQUEST_ID_CHARS, grpc_options
 from specray.sampling import SamplingParams
+from specray.sampling.logprobs import TokenLogprob
 from specray.v1 import speculation_pb2 as pb
 from specray.v1 import speculation_pb2_grpc as pb_grpc
 
 _END = object()
+
+
+class Delivered:
+    """What a front end has received of one request: its tokens, and log-probabilities when
+    its params asked (a resumed request starts from its ``committed`` tokens)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        committed: Sequence[int] = (),
+    ):
+        self.request_id, self.prompt_token_ids = request_id, list(prompt_token_ids)
+        self.token_ids: list[int] = list(committed)
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def take(self, delta: Delta) -> StreamDelta:
+        """Keep a delta's tokens; the stream delta that hands them on."""
+        self.token_ids.extend(delta.token_ids)
+        logprobs = prompt = None
+        if self.logprobs is not None:
+            logprobs = list(delta.logprobs)
+            self.logprobs.extend(logprobs)
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = prompt = [None, *delta.prompt_logprobs]
+        return StreamDelta(list(delta.token_ids), None, logprobs, prompt)
+
+    def output(self, finished: Finished) -> RequestOutput:
+        output = output_of(self.request_id, self.prompt_token_ids, self.token_ids, finished)
+        output.logprobs = None if self.logprobs is None else list(self.logprobs)
+        output.prompt_logprobs = self.prompt_logprobs
+        return output
 
 
 def output_of(
@@ -105,29 +140,29 @@ class ClientStream:
         client: EngineCoreClient,
         request_id: str,
         prompt_token_ids: list[int],
+        params: SamplingParams,
         committed: Sequence[int] = (),
     ):
         self._client, self.request_id = client, request_id
         self.prompt_token_ids = prompt_token_ids
-        self.token_ids: list[int] = list(committed)  # a resumed request's are its start
+        self._delivered = Delivered(request_id, prompt_token_ids, params, committed)
+        self.token_ids = self._delivered.token_ids  # a resumed request's are its start
         self._events: queue.Queue = queue.Queue()
         self._done = threading.Event()
         self._output: RequestOutput | None = None
         self._error: SpecrayError | None = None
 
     def _take(self, delta: Delta) -> None:
-        self.token_ids.extend(delta.token_ids)
+        new = self._delivered.take(delta)
         if delta.error is not None:
             self._error = error_from_dict(delta.error.__dict__)
         elif delta.finished is not None:
-            self._output = output_of(
-                self.request_id, self.prompt_token_ids, self.token_ids, delta.finished
-            )
+            self._output = new.output = self._delivered.output(delta.finished)
             tokenizer = self._client.tokenizer
             if tokenizer is not None:  # decoded here, off the engine core's loop
                 self._output.text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
         if delta.token_ids or self._output is not None:
-            self._events.put(StreamDelta(list(delta.token_ids), self._output))
+            self._events.put(new)
         if delta.error is not None or delta.finished is not None:
             self._done.set()
             self._events.put(_END)
@@ -192,7 +227,7 @@ class EngineCoreClient:
         for prompt_token_ids, params, options in submits:
             request_id = options.get("request_id") or f"{self._prefix}{next(self._ids)}"
             committed = tuple(options.get("committed_token_ids", ()))
-            stream = ClientStream(self, request_id, list(prompt_token_ids), committed)
+            stream = ClientStream(self, request_id, list(prompt_token_ids), params, committed)
             messages.append(
                 Submit(
                     request_id,

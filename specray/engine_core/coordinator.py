@@ -201,6 +201,7 @@ class Coordinator:
             vocab_size=self.vocab_size,
             max_positions=self.max_positions,
             in_flight=self._requests,
+            eos_token_ids=self.eos_token_ids,
         )
         committed = admission.check_committed(
             committed_token_ids, params, vocab_size=self.vocab_size
@@ -531,6 +532,7 @@ class Coordinator:
         )
         finished = []
         for request, result in zip(requests, reply.results, strict=True):
+            request.take_prompt_logprobs(result)
             if result.prefilling:  # a chunk of its prompt: nothing committed yet
                 request.target_cached(grants[request.state.request_id])
                 self.stats.prefill_chunks += 1
@@ -567,19 +569,16 @@ class Coordinator:
         new = state.output_token_ids[before:]
         self.stats.committed_tokens += len(new)
         record_emission(self.metrics, request, new, self._loop.time())
-        request.stream._push(new)
+        request.stream._push(new, *request.take_logprobs(result, first=before == 0))
 
     def _end(self, request: Request, error: SpecrayError | None) -> None:
         self._requests.pop(request.state.request_id, None)
-        output = None
+        output, reason = None, "abort"
         if error is None:
             output = self._output(request)
             reason = output.finish_reason
-            self.metrics.labels(
-                self.metrics.e2e_request_latency
-            ).observe(self._loop.time() - request.arrival_s)  # fmt: skip
-        else:
-            reason = "abort"
+            latency = self.metrics.labels(self.metrics.e2e_request_latency)
+            latency.observe(self._loop.time() - request.arrival_s)
         self.metrics.labels(self.metrics.request_success, finished_reason=reason).inc()
         request.stream._finish(output, error)
         self._update_gauges()

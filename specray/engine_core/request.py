@@ -32,6 +32,7 @@ from specray.engine_core.block_length import RequestProbe
 from specray.engine_core.policy import AcceptanceEstimator
 from specray.engine_core.streams import RequestStream
 from specray.errors import DeadlineExceededError
+from specray.protocol import VerifyResult
 
 
 class TargetPhase(enum.Enum):
@@ -100,6 +101,25 @@ class Request:
     def target_holds(self) -> bool:
         """The target holds state for it: releasing it must free that state."""
         return self.target_phase in _HELD
+
+    # ---- log-probabilities (specray.sampling.logprobs) ----------------------------------
+    def take_prompt_logprobs(self, result: VerifyResult) -> None:
+        """Keep the prompt positions a round cached, by position (a replayed chunk repeats)."""
+        if result.prompt_logprobs:
+            kept = self.state.prompt_logprobs
+            del kept[result.prompt_logprobs_from :]
+            kept.extend(result.prompt_logprobs)
+
+    def take_logprobs(self, result: VerifyResult, first: bool) -> tuple[list | None, ...]:
+        """Keep the committed tokens' log-probabilities; what their stream delta carries: them,
+        and with a request's ``first`` tokens its prompt's (each None unless asked)."""
+        params = self.state.params
+        self.state.logprobs.extend(result.logprobs)
+        logprobs = list(result.logprobs) if params.logprobs is not None else None
+        prompt = None
+        if first and params.prompt_logprobs is not None:
+            prompt = [None, *self.state.prompt_logprobs]
+        return logprobs, prompt
 
     def deadline_error(self) -> DeadlineExceededError:
         return DeadlineExceededError(

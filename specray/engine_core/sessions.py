@@ -19,6 +19,7 @@ import threading
 
 import grpc
 
+from specray.engine_core.streams import StreamDelta
 from specray.errors import SpecrayError, error_to_dict
 from specray.outputs import RequestOutput
 from specray.protocol import (
@@ -69,7 +70,7 @@ class Session:
     def __init__(self, coordinator, loop: asyncio.AbstractEventLoop, send):
         self.coordinator, self.loop, self._send = coordinator, loop, send
         self.requests: set[str] = set()
-        self._tokens: dict[str, list[int]] = {}  # this turn's new tokens, per request
+        self._tokens: dict[str, StreamDelta] = {}  # this turn's new tokens, per request
         self._ends: dict[str, Delta] = {}
         self._flush_scheduled = False
         # requests submitted with stream=False -> whether their first tokens went out
@@ -105,8 +106,9 @@ class Session:
         stream.attach(self)
 
     # ---- StreamSink ----------------------------------------------------------------------
-    def on_tokens(self, request_id: str, token_ids: list[int]) -> None:
-        self._tokens.setdefault(request_id, []).extend(token_ids)
+    def on_tokens(self, request_id: str, delta: StreamDelta) -> None:
+        held = self._tokens.get(request_id)
+        self._tokens[request_id] = delta if held is None else held.merge(delta)
         started = self._unstreamed.get(request_id)
         if started:  # travels with the next message, or its progress report
             if self._progress is None:
@@ -141,12 +143,20 @@ class Session:
             self._progress.cancel()
             self._progress = None
         deltas = []
-        for request_id, tokens in self._tokens.items():
+        for request_id, new in self._tokens.items():
             end = self._ends.pop(request_id, None)
-            if end is None:
-                deltas.append(Delta(request_id, tuple(tokens)))
-            else:
-                deltas.append(Delta(request_id, tuple(tokens), end.finished, end.error))
+            finished, error = (None, None) if end is None else (end.finished, end.error)
+            prompt = new.prompt_logprobs
+            deltas.append(
+                Delta(
+                    request_id,
+                    tuple(new.token_ids),
+                    finished,
+                    error,
+                    tuple(new.logprobs or ()),
+                    None if prompt is None else tuple(prompt[1:]),  # position 0 has none
+                )
+            )
         deltas.extend(self._ends.values())
         self._tokens.clear()
         self._ends.clear()

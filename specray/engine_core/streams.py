@@ -9,19 +9,36 @@ from typing import Protocol
 
 from specray.errors import SpecrayError
 from specray.outputs import RequestOutput
+from specray.sampling.logprobs import TokenLogprob
 
 
 @dataclass
 class StreamDelta:
     token_ids: list[int]  # newly committed tokens (may be empty on the final delta)
     output: RequestOutput | None = None  # set on the final delta
+    logprobs: list[TokenLogprob] | None = None  # one per token (params.logprobs)
+    # on the request's first delta with tokens (params.prompt_logprobs): one per prompt token,
+    # None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def merge(self, later: StreamDelta) -> StreamDelta:
+        """This delta followed by ``later`` as one."""
+        logprobs = self.logprobs
+        if later.logprobs is not None:
+            logprobs = [*(logprobs or ()), *later.logprobs]
+        return StreamDelta(
+            [*self.token_ids, *later.token_ids],
+            later.output,
+            logprobs,
+            self.prompt_logprobs if later.prompt_logprobs is None else later.prompt_logprobs,
+        )
 
 
 class StreamSink(Protocol):
     """Takes a request's events instead of its queue (a front-end session of the engine core
     batches every request's new tokens into one message per round)."""
 
-    def on_tokens(self, request_id: str, token_ids: list[int]) -> None: ...
+    def on_tokens(self, request_id: str, delta: StreamDelta) -> None: ...
 
     def on_end(
         self, request_id: str, output: RequestOutput | None, error: SpecrayError | None
@@ -48,14 +65,15 @@ class RequestStream:
             elif item.output is not None:  # the final delta
                 sink.on_end(self.request_id, item.output, None)
             else:
-                sink.on_tokens(self.request_id, item.token_ids)
+                sink.on_tokens(self.request_id, item)
         self._sink = sink
 
-    def _push(self, token_ids: list[int]) -> None:
+    def _push(self, token_ids: list[int], logprobs=None, prompt_logprobs=None) -> None:
+        delta = StreamDelta(list(token_ids), None, logprobs, prompt_logprobs)
         if self._sink is not None:
-            self._sink.on_tokens(self.request_id, list(token_ids))
+            self._sink.on_tokens(self.request_id, delta)
         else:
-            self._queue.put_nowait(StreamDelta(list(token_ids)))
+            self._queue.put_nowait(delta)
 
     def _finish(self, output: RequestOutput | None, error: SpecrayError | None) -> None:
         self._output, self._error = output, error

@@ -22,6 +22,9 @@ MAX_PENALTY = 2.0  # presence / frequency penalties live in [-2, 2], as in OpenA
 MAX_TEMPERATURE = 1e4
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-4, 1e4
 MAX_BIAS_KEY_DIGITS = 20  # token ids are far shorter; int() refuses > 4300 digits anyway
+MAX_LOGPROBS = 20  # most likely tokens reported per position at most (OpenAI's top_logprobs)
+LOGPROBS_MODES = ("raw", "processed")
+LOGPROBS_MODE_ALIASES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}  # vLLM's
 
 
 class SamplingParamsError(ValueError):
@@ -106,6 +109,11 @@ class SamplingParams:
     # cannot be drawn: vLLM's min_tokens, a position-dependent mask of the pipeline
     min_tokens: int = 0
     seed: int | None = None  # None: the engine picks one and reports it in the output
+    # Log-probabilities (specray.sampling.logprobs): None = off; n = each output token's own
+    # and the n most likely (0..20); prompt_logprobs the same for the prompt (raw always).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logprobs_mode: str = "raw"  # "raw" (the model's) or "processed" (what it was drawn from)
 
     def __post_init__(self) -> None:
         # Numbers are stored back as floats, so the pipeline never sees a huge int.
@@ -188,6 +196,17 @@ class SamplingParams:
                 "min_tokens",
                 f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens!r}",
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= _check_int(name, value) <= MAX_LOGPROBS:
+                _fail(name, f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+        mode = LOGPROBS_MODE_ALIASES.get(self.logprobs_mode, self.logprobs_mode)
+        if mode not in LOGPROBS_MODES:
+            _fail(
+                "logprobs_mode",
+                f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}",
+            )
+        object.__setattr__(self, "logprobs_mode", mode)
         if self.seed is not None:
             seed = _check_int("seed", self.seed)
             if not 0 <= seed <= MAX_SEED:
@@ -226,8 +245,10 @@ class SamplingParams:
             object.__setattr__(params, name, value)
         return params
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Raise SamplingParamsError if any token id is outside ``[0, vocab_size)``."""
+    def check_vocab(self, vocab_size: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
+        """Raise SamplingParamsError if any token id is outside ``[0, vocab_size)``, or if no
+        token is left to draw before ``min_tokens`` (the stop ids, ``eos_token_ids`` unless
+        ignore_eos, masked there besides the banned ones)."""
         groups = {
             "logit_bias": tuple(self.logit_bias),
             "allowed_token_ids": self.allowed_token_ids or (),
@@ -245,6 +266,19 @@ class SamplingParams:
         # Sorted, unique and in range: banning vocab_size ids bans every token (a NaN row).
         if len(self.banned_token_ids or ()) >= vocab_size:
             _fail("banned_token_ids", f"banned_token_ids ban every token of the {vocab_size}")
+        if self.min_tokens:
+            stops = set(self.stop_token_ids or ()) | (set() if self.ignore_eos else eos_token_ids)
+            masked = stops | set(self.banned_token_ids or ())
+            if self.allowed_token_ids is None:
+                nothing_left = len(masked) >= vocab_size  # ids checked in range above (eos: ours)
+            else:
+                nothing_left = set(self.allowed_token_ids) <= masked
+            if nothing_left:
+                _fail(
+                    "min_tokens",
+                    f"min_tokens={self.min_tokens} masks the stop ids {sorted(stops)}, which "
+                    f"leaves no token to draw before it",
+                )
 
     def with_seed(self, seed: int) -> SamplingParams:
         from dataclasses import replace

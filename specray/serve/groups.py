@@ -45,6 +45,17 @@ class Group:
         return self.session.in_flight
 
 
+def _whole_logprobs(final: dict, emitted_logprobs: list, prompt_logprobs) -> dict:
+    """A resumed attempt's final event with the whole request's log-probabilities: the attempt
+    knows only its own tokens' (the deltas of every attempt carried them all), and the engine
+    core scores no prompt for a resumed request (the first attempt's first delta had it)."""
+    if final.get("logprobs") is not None:
+        final = {**final, "logprobs": list(emitted_logprobs)}
+    if final.get("prompt_logprobs") is None and prompt_logprobs is not None:
+        final = {**final, "prompt_logprobs": prompt_logprobs}
+    return final
+
+
 class GroupsBackend:
     """A :class:`specray.serve.protocol.GenerationBackend` over every target group."""
 
@@ -130,6 +141,8 @@ class GroupsBackend:
         loop = asyncio.get_running_loop()
         deadline = None if request.timeout_s is None else loop.time() + request.timeout_s
         emitted: list[int] = []  # token ids the caller has
+        emitted_logprobs: list[dict] = []  # their log-probability entries (when asked)
+        prompt_logprobs = None  # the prompt's entries, once a delta carried them
         delivered = 0  # characters of text the caller has
         failed_since = None
         attempt = request
@@ -146,11 +159,15 @@ class GroupsBackend:
                         continue
                     if kind == "delta":
                         emitted += event["token_ids"]
+                        emitted_logprobs += event.get("logprobs") or ()
+                        prompt_logprobs = event.get("prompt_logprobs") or prompt_logprobs
                         start = offset
                         offset += len(event["text"])
                         if start < delivered:  # after a resume: part of it was delivered
                             event = {**event, "text": event["text"][delivered - start :]}
                         delivered = max(delivered, offset)
+                    elif kind == "final" and attempt.resume_token_ids:
+                        event = _whole_logprobs(event, emitted_logprobs, prompt_logprobs)
                     yield event
                     failed_since = None  # progress: a later failure gets a full window
                     if kind == "final":

@@ -48,9 +48,18 @@ _PLAIN_PARAMS = (
     "frequency_penalty",
     "ignore_eos",
     "min_tokens",
+    "logprobs_mode",
 )
 # `optional` proto fields: sent only when set, so unset means SamplingParams' default.
-_OPTIONAL_PARAMS = ("temperature", "top_p", "repetition_penalty", "max_tokens", "seed")
+_OPTIONAL_PARAMS = (
+    "temperature",
+    "top_p",
+    "repetition_penalty",
+    "max_tokens",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+)
 
 
 # ---- protobuf <-> protocol ------------------------------------------------------------------
@@ -107,11 +116,32 @@ def request_from_proto(message: pb.GenerateRequest, *, timeout_s: float | None) 
     )
 
 
+def logprobs_to_proto(entries) -> list[pb.TokenLogprob]:
+    """Events' log-probability entries as messages (the first prompt token's, which has
+    none, is left out: ``Final.prompt_logprobs`` starts at the second)."""
+    return [
+        pb.TokenLogprob(
+            token_id=entry["token_id"],
+            logprob=entry["logprob"],
+            rank=entry["rank"],
+            top_token_ids=[top["token_id"] for top in entry["top"]],
+            top_logprobs=[top["logprob"] for top in entry["top"]],
+        )
+        for entry in entries or ()
+        if entry["logprob"] is not None
+    ]
+
+
 def response_from_event(event: dict) -> pb.GenerateResponse:
     """One backend event (see :mod:`specray.serve.protocol`) as a stream message."""
     kind = event.get("kind")
     if kind == "delta":
-        return pb.GenerateResponse(delta=pb.Delta(text=event["text"], token_ids=event["token_ids"]))
+        delta = pb.Delta(
+            text=event["text"],
+            token_ids=event["token_ids"],
+            logprobs=logprobs_to_proto(event.get("logprobs")),
+        )
+        return pb.GenerateResponse(delta=delta)
     if kind != "final":
         raise ValueError(f"unknown event kind {kind!r}")
     spec = event.get("speculative_decoding") or {}
@@ -132,6 +162,8 @@ def response_from_event(event: dict) -> pb.GenerateResponse:
             acceptance_rate=spec.get("acceptance_rate", 0.0),
             mean_acceptance_length=spec.get("mean_acceptance_length", 1.0),
         ),
+        logprobs=logprobs_to_proto(event.get("logprobs")),
+        prompt_logprobs=logprobs_to_proto(event.get("prompt_logprobs")),
     )
     for name in ("time_to_first_token_s", "latency_s"):
         if event.get(name) is not None:

@@ -5,7 +5,8 @@ wraps it with ``@serve.ingress(app)``; the standalone server runs it under uvico
 the backend runs on. Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, and vLLM's
 ``POST /tokenize``, ``POST /detokenize``, ``GET /version``. Request bodies are parsed by
-:mod:`specray.serve.openai_schema` (which documents the API decisions), not by pydantic, so no
+:mod:`specray.serve.openai_schema` (which documents the API decisions), not by pydantic
+(responses are made by :mod:`specray.serve.openai_responses`), so no
 FastAPI 422 ever reaches a client: every error is OpenAI's ``{"error": {message, type, param,
 code}}`` with the status of :mod:`specray.errors` (503 with ``Retry-After`` when retrying may
 help), and an unexpected exception is logged here and answered with a generic 500.
@@ -33,17 +34,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specray import __version__
 from specray.errors import RequestCancelledError, SpecrayError
+from specray.serve.openai_responses import (
+    StreamedChoice,
+    chunk,
+    error_body,
+    response,
+    usage_chunk,
+)
 from specray.serve.openai_schema import (
     ApiCall,
     HttpError,
-    chunk,
-    error_body,
     parse_chat,
     parse_completion,
     parse_detokenize,
     parse_tokenize,
-    response,
-    usage_chunk,
 )
 from specray.serve.protocol import GenerateRequest, GenerationBackend
 
@@ -191,10 +195,16 @@ def _sse(payload: dict) -> str:
 
 
 async def _event_stream(
-    call: ApiCall, choices: Choices, buffered: list[tuple[int, dict]]
+    call: ApiCall,
+    choices: Choices,
+    buffered: list[tuple[int, dict]],
+    echoes: Sequence[str] | None,
 ) -> AsyncIterator[str]:
     finals: list = [None] * choices.count
-    sent_chars = [0] * choices.count  # text streamed per choice
+    streamed = [
+        StreamedChoice(call, index, echoes[index] if echoes is not None else None)
+        for index in range(choices.count)
+    ]
     pending = choices.count
     try:
         if call.chat:  # OpenAI opens each chat choice with the role
@@ -203,15 +213,11 @@ async def _event_stream(
         buffered = list(reversed(buffered))
         while pending:
             index, event = buffered.pop() if buffered else await choices.next()
-            if event["kind"] == "delta":
-                if event["text"]:
-                    sent_chars[index] += len(event["text"])
-                    yield _sse(chunk(call, index, event["text"]))
-                continue
-            # The final text is the whole output; send what the deltas have not (normally "").
-            rest = event["text"][sent_chars[index] :]
-            finals[index], pending = event, pending - 1
-            yield _sse(chunk(call, index, rest, final=event))
+            if event["kind"] == "final":
+                finals[index], pending = event, pending - 1
+            piece = streamed[index].chunk(event)
+            if piece is not None:
+                yield _sse(piece)
         if call.include_usage:
             yield _sse(usage_chunk(call, finals))
         yield "data: [DONE]\n\n"
@@ -288,6 +294,19 @@ def build_http_app(backend: GenerationBackend, *, auth_token: str | None = None)
 
         return register
 
+    async def echoed_prompts(call: ApiCall) -> list[str] | None:
+        """Each choice's prompt text when the call echoes it (token ids decoded, once the
+        backend took them: an invalid id is the request's error, not detokenize's)."""
+        if not call.echo:
+            return None
+        texts = []
+        for choice in call.requests:
+            if choice.prompt is not None:
+                texts.append(choice.prompt)
+            else:
+                texts.append(await backend.detokenize(list(choice.prompt_token_ids)))
+        return texts
+
     async def generate(request: Request, parse: Callable[..., ApiCall]) -> Response:
         body = await read_json(request)
         call = parse(body, (await model_info())["model"])
@@ -297,13 +316,15 @@ def build_http_app(backend: GenerationBackend, *, auth_token: str | None = None)
                 finals = await _unless_disconnected(request, _collect(choices))
             finally:
                 choices.close()
-            return JSONResponse(response(call, finals))
+            return JSONResponse(response(call, finals, await echoed_prompts(call)))
         try:
             buffered = await _unless_disconnected(request, _first_events(choices))
+            echoes = await echoed_prompts(call)  # the prompts were admitted: they decode
         except BaseException:
             choices.close()
             raise
-        return _EventStreamResponse(_event_stream(call, choices, buffered), headers=SSE_HEADERS)
+        stream = _event_stream(call, choices, buffered, echoes)
+        return _EventStreamResponse(stream, headers=SSE_HEADERS)
 
     @route("/v1/completions", "POST")
     async def completions(request: Request) -> Response:

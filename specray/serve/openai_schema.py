@@ -1,5 +1,5 @@
-"""OpenAI request bodies in, :class:`GenerateRequest` per choice; backend events out, OpenAI
-response objects and stream chunks. Plain dicts, no web framework and no torch.
+"""OpenAI request bodies in, :class:`GenerateRequest` per choice (responses out:
+:mod:`specray.serve.openai_responses`). Plain dicts, no web framework and no torch.
 
 Decisions a user of vLLM's OpenAI server would otherwise guess at:
 
@@ -15,6 +15,12 @@ Decisions a user of vLLM's OpenAI server would otherwise guess at:
   and, merged over the choices, at the top level of the response, or of the usage chunk when
   streaming with ``stream_options.include_usage``.
 - ``usage.prompt_tokens`` counts each prompt once however many choices it has (as OpenAI).
+- Log-probabilities: completions' ``logprobs`` n and chat's ``logprobs`` / ``top_logprobs`` n
+  (0..20, as vLLM; OpenAI caps completions at 5), ``echo`` on completions (with ``logprobs``
+  the prompt's tokens are scored too), vLLM's ``prompt_logprobs`` on both (not with
+  ``stream``, as vLLM), and ``logprobs_mode`` per request: "raw" (the model's distribution,
+  the default) or "processed" (the one the token was drawn from); vLLM's names
+  "raw_logprobs" / "processed_logprobs" are accepted.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from specray.serve.protocol import SPECULATION_MODES, GenerateRequest, check_mes
 
 MAX_CHOICES = 128  # prompts x n in one call (OpenAI caps n at 128)
 MAX_SHOWN_CHARS = 80  # of a rejected value, quoted in an error message
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs at most (SamplingParams' MAX_LOGPROBS, OpenAI's)
 
 
 class HttpError(SpecrayError):
@@ -98,6 +105,12 @@ def _logit_bias(name: str, value: Any) -> dict:
     return value
 
 
+def _string(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _invalid(name, f"{name} must be a string, got {_show(value)}")
+    return value
+
+
 def _top_k(name: str, value: Any) -> int:
     # vLLM spells "off" -1; SamplingParams spells it 0.
     return 0 if _integer(name, value) == -1 else value
@@ -118,6 +131,8 @@ SAMPLING_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "stop_token_ids": _token_ids,
     "min_tokens": _integer,
     "allowed_token_ids": _token_ids,
+    "prompt_logprobs": _integer,  # vLLM's
+    "logprobs_mode": _string,  # specray's: "raw" or "processed", per request
 }
 COMMON_FIELDS = {"model", "n", "stop", "stream", "stream_options", "user", "max_tokens"}
 # OpenAI fields about storage, billing, caching or routing: they change nothing generated.
@@ -176,6 +191,9 @@ class ApiCall:
     n: int  # choices per prompt
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
+    logprobs: int | None = None  # most likely tokens shown per position; None: no logprobs
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field; None: not asked
+    echo: bool = False  # completions: the prompt leads each choice (and its logprobs)
 
     @property
     def object(self) -> str:
@@ -268,10 +286,18 @@ def _stop(value: Any) -> tuple:
 
 
 def _build(
-    body: Mapping, *, chat: bool, model: str, prompts: Sequence[dict], params: dict
+    body: Mapping,
+    *,
+    chat: bool,
+    model: str,
+    prompts: Sequence[dict],
+    params: dict,
+    echo: bool = False,
 ) -> ApiCall:
     """One GenerateRequest per prompt x choice; ``prompts`` hold GenerateRequest fields."""
     stream, include_usage = _streaming(body)
+    if stream and body.get("prompt_logprobs") is not None:  # vLLM's rule: no chunk has room
+        raise _invalid("prompt_logprobs", "prompt_logprobs is not available with stream=true")
     n = _choice_count(body, len(prompts))
     k, speculation = _speculation(body)
     user = body.get("user")
@@ -314,6 +340,9 @@ def _build(
         n=n,
         stream=stream,
         include_usage=include_usage,
+        logprobs=params.get("logprobs"),
+        prompt_logprobs=body.get("prompt_logprobs"),
+        echo=echo,
     )
 
 
@@ -394,9 +423,8 @@ def parse_completion(body: Any, served_model: str) -> ApiCall:
     """``POST /v1/completions`` body -> :class:`ApiCall` (raises InvalidRequestError /
     HttpError naming the parameter)."""
     body, model = _start(body, served_model, COMPLETION_FIELDS)
-    echo, logprobs = body.get("echo"), body.get("logprobs")
-    _reject_if(echo not in (None, False), "echo", echo, "omit it or send false")
-    _reject_if(logprobs is not None, "logprobs", logprobs, "omit it or send null")
+    echo = body.get("echo")
+    echo = echo is not None and _boolean("echo", echo)
     _reject_if(body.get("suffix") is not None, "suffix", body.get("suffix"), "omit it")
     best_of = body.get("best_of")
     _reject_if(best_of not in (None, 1), "best_of", best_of, "only 1 (or null) is")
@@ -405,7 +433,11 @@ def parse_completion(body: Any, served_model: str) -> ApiCall:
     prompts = _prompts(body["prompt"])
     params = _sampling(body, "max_tokens" if body.get("max_tokens") is not None else None)
     params.setdefault("max_tokens", 16)  # OpenAI's completions default
-    return _build(body, chat=False, model=model, prompts=prompts, params=params)
+    if body.get("logprobs") is not None:
+        params["logprobs"] = _integer("logprobs", body["logprobs"])
+        if echo:  # the prompt's tokens lead the lists: scored with as many (vLLM's default)
+            params.setdefault("prompt_logprobs", params["logprobs"])
+    return _build(body, chat=False, model=model, prompts=prompts, params=params, echo=echo)
 
 
 def _check_plain_text_output(body: Mapping) -> None:
@@ -439,9 +471,14 @@ def parse_chat(body: Any, served_model: str) -> ApiCall:
     """``POST /v1/chat/completions`` body -> :class:`ApiCall`. Without ``max_tokens`` /
     ``max_completion_tokens`` the backend's default length applies."""
     body, model = _start(body, served_model, CHAT_FIELDS)
-    logprobs, top_logprobs = body.get("logprobs"), body.get("top_logprobs")
-    _reject_if(logprobs not in (None, False), "logprobs", logprobs, "omit it or send false")
-    _reject_if(top_logprobs is not None, "top_logprobs", top_logprobs, "omit it")
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    logprobs = logprobs is not None and _boolean("logprobs", logprobs)
+    if top is not None:
+        if not 0 <= _integer("top_logprobs", top) <= MAX_TOP_LOGPROBS:
+            message = f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}"
+            raise _invalid("top_logprobs", message)
+        if not logprobs:
+            raise _invalid("top_logprobs", f"top_logprobs={top} needs logprobs: true")
     _check_plain_text_output(body)
     if "messages" not in body:
         raise _invalid("messages", "messages is required")
@@ -451,6 +488,8 @@ def parse_chat(body: Any, served_model: str) -> ApiCall:
         (f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None), None
     )
     params = _sampling(body, length_field)
+    if logprobs:
+        params["logprobs"] = top or 0
     return _build(body, chat=True, model=model, prompts=prompts, params=params)
 
 
@@ -475,117 +514,3 @@ def parse_detokenize(body: Any, served_model: str) -> list[int]:
     if "tokens" not in body:
         raise _invalid("tokens", "tokens is required")
     return _token_ids("tokens", body["tokens"])
-
-
-# ---- responses ---------------------------------------------------------------------------
-def merge_speculative(blocks: Sequence[Mapping]) -> dict:
-    """Several requests' speculative-decoding blocks as one (counts summed, rates recomputed).
-
-    Example: blocks with 2 drafts / 8 draft tokens / 6 accepted, per position [2, 2, 1, 1],
-    and 1 / 4 / 1, [1] merge to 3 / 12 / 7, [3, 2, 1, 1], acceptance_rate 7/12 and
-    mean_acceptance_length 1 + 7/3."""
-    drafts = sum(b["num_drafts"] for b in blocks)
-    draft_tokens = sum(b["num_draft_tokens"] for b in blocks)
-    accepted = sum(b["num_accepted_tokens"] for b in blocks)
-    size = max((len(b["num_accepted_tokens_per_pos"]) for b in blocks), default=0)
-    per_pos = [0] * size
-    for block in blocks:
-        for position, count in enumerate(block["num_accepted_tokens_per_pos"]):
-            per_pos[position] += count
-    return {
-        "num_drafts": drafts,
-        "num_draft_tokens": draft_tokens,
-        "num_accepted_tokens": accepted,
-        "num_accepted_tokens_per_pos": per_pos,
-        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
-    }
-
-
-def usage(call: ApiCall, finals: Sequence[Mapping]) -> dict:
-    prompt_tokens = sum(final["prompt_tokens"] for final in finals[:: call.n])
-    completion_tokens = sum(final["completion_tokens"] for final in finals)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def _envelope(call: ApiCall, object_name: str) -> dict:
-    return {
-        "id": call.id,
-        "object": object_name,
-        "created": call.created,
-        "model": call.model,
-        "system_fingerprint": None,
-    }
-
-
-def response(call: ApiCall, finals: Sequence[Mapping]) -> dict:
-    """The non-streamed response, from each choice's final event (in index order)."""
-    choices = []
-    for index, final in enumerate(finals):
-        if call.chat:
-            output = {"message": {"role": "assistant", "content": final["text"]}}
-        else:
-            output = {"text": final["text"]}
-        choices.append(
-            {"index": index}
-            | output
-            | {
-                "logprobs": None,
-                "finish_reason": final["finish_reason"],
-                "speculative_decoding": final["speculative_decoding"],
-            }
-        )
-    return _envelope(call, call.object) | {
-        "choices": choices,
-        "usage": usage(call, finals),
-        "speculative_decoding": merge_speculative([f["speculative_decoding"] for f in finals]),
-    }
-
-
-def chunk(call: ApiCall, index: int, text: str | None, *, final: Mapping | None = None) -> dict:
-    """One stream chunk for choice ``index``: ``text`` (chat: None = the role opener), and when
-    ``final`` is given, that choice's finish reason and speculative metrics."""
-    if call.chat:
-        delta = {"role": "assistant", "content": ""} if text is None else {"content": text}
-        if final is not None and not text:
-            delta = {}
-        choice = {"index": index, "delta": delta}
-    else:
-        choice = {"index": index, "text": text or ""}
-    choice |= {
-        "logprobs": None,
-        "finish_reason": final["finish_reason"] if final is not None else None,
-    }
-    if final is not None:
-        choice["speculative_decoding"] = final["speculative_decoding"]
-    out = _envelope(call, f"{call.object}.chunk" if call.chat else call.object)
-    out["choices"] = [choice]
-    if call.include_usage:
-        out["usage"] = None  # as OpenAI: only the last chunk carries usage
-    return out
-
-
-def usage_chunk(call: ApiCall, finals: Sequence[Mapping]) -> dict:
-    """The last chunk with ``include_usage``: no choices; usage and the merged metrics."""
-    out = _envelope(call, f"{call.object}.chunk" if call.chat else call.object)
-    return out | {
-        "choices": [],
-        "usage": usage(call, finals),
-        "speculative_decoding": merge_speculative([f["speculative_decoding"] for f in finals]),
-    }
-
-
-def error_body(error: SpecrayError) -> dict:
-    """OpenAI's error shape."""
-    return {
-        "error": {
-            "message": error.message,
-            "type": error.error_type,
-            "param": error.param,
-            "code": getattr(error, "code", None),
-        }
-    }

@@ -5,12 +5,23 @@ Front ends turn their wire format into a :class:`GenerateRequest` and consume th
 (:mod:`specray.serve.service`) or the Ray Serve ``Coordinator`` deployment seen through its
 handle. Events are plain dicts (they cross Ray and are msgpack-friendly):
 
-- ``{"kind": "delta", "text": str, "token_ids": [int]}``: newly committed tokens and the text
-  they complete (text may lag a token while a multi-byte character is incomplete);
+- ``{"kind": "delta", "text": str, "token_ids": [int], "logprobs", "prompt_logprobs"}``: newly
+  committed tokens and the text they complete (text may lag a token while a multi-byte
+  character is incomplete); ``logprobs`` one entry per token when the request's params ask
+  (``logprobs``), else None; ``prompt_logprobs`` one entry per prompt token on the first delta
+  with tokens when they ask (``prompt_logprobs``), else None;
 - ``{"kind": "final", "request_id", "text", "token_ids", "finish_reason", "prompt_tokens",
   "completion_tokens", "seed", "speculative_decoding": {...}, "time_to_first_token_s",
-  "latency_s"}``: exactly one, last; ``text`` / ``token_ids`` are the whole output;
+  "latency_s", "logprobs", "prompt_logprobs"}``: exactly one, last; ``text`` / ``token_ids`` /
+  ``logprobs`` are the whole output (the deltas' concatenated), ``prompt_logprobs`` the
+  prompt's; after a stop string the tokens end with the one that completed it (as vLLM's);
 - an error is raised as a :class:`specray.errors.SpecrayError`, before or between deltas.
+
+A log-probability entry is ``{"token_id", "token", "logprob", "rank", "top"}``: the token's text
+decoded on its own, its log-probability (-inf where the processed distribution excludes it),
+its rank (1 + the tokens strictly more likely) and ``top``, the most likely first, each
+``{"token_id", "token", "logprob"}``, as many as asked. The first prompt token's entry has
+``logprob`` and ``rank`` None and no ``top`` (nothing precedes it).
 
 No torch here: the client library and the front ends import this module.
 """

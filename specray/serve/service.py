@@ -22,6 +22,7 @@ from specray.errors import InvalidRequestError, RequestCancelledError
 from specray.outputs import RequestOutput
 from specray.prompts import prompt_token_ids
 from specray.sampling import SamplingParams, SamplingParamsError
+from specray.sampling.logprobs import TokenLogprob
 from specray.serve.protocol import GenerateRequest
 from specray.serve.text import TextStream
 
@@ -41,20 +42,39 @@ def speculative_block(output: RequestOutput) -> dict:
     }
 
 
-def final_event(output: RequestOutput, text: str, finish_reason: str) -> dict:
+def final_event(
+    output: RequestOutput,
+    text: str,
+    finish_reason: str,
+    *,
+    num_tokens: int | None = None,
+    logprobs: list[dict] | None = None,
+    prompt_logprobs: list[dict] | None = None,
+) -> dict:
+    """The final event of ``output``; with ``num_tokens``, only its first that many tokens
+    (a stop string ended it: the rest was not delivered)."""
+    token_ids = list(output.token_ids[:num_tokens])
     return {
         "kind": "final",
         "request_id": output.request_id,
         "text": text,
-        "token_ids": list(output.token_ids),
+        "token_ids": token_ids,
         "finish_reason": finish_reason,
         "prompt_tokens": len(output.prompt_token_ids),
-        "completion_tokens": len(output.token_ids),
+        "completion_tokens": len(token_ids),
         "seed": output.seed,
         "speculative_decoding": speculative_block(output),
         "time_to_first_token_s": output.time_to_first_token_s,
         "latency_s": output.latency_s,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
     }
+
+
+def _first_tokens(delta: StreamDelta, count: int) -> StreamDelta:
+    """``delta`` cut to its first ``count`` tokens (and their log-probabilities)."""
+    logprobs = None if delta.logprobs is None else delta.logprobs[:count]
+    return StreamDelta(delta.token_ids[:count], delta.output, logprobs, delta.prompt_logprobs)
 
 
 class CoordinatorService:
@@ -74,6 +94,7 @@ class CoordinatorService:
         self.tokenizer = tokenizer
         self.model_name, self.draft_name = model_name, draft_name
         self.max_model_len = max_model_len
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (<= vocabulary)
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -127,40 +148,99 @@ class CoordinatorService:
             # told where this stream's text starts, so it sends on exactly what is new.
             primed = text.push(list(request.resume_token_ids))
             yield {"kind": "resumed", "text_offset": len(primed)}
+        # What the deltas carried, for the final event: this stream's tokens' log-probabilities
+        # (a resumed stream's start after its resume tokens) and the prompt's.
+        logprobs = [] if params.logprobs is not None else None
+        prompt_logprobs = None
         finished = False
         try:
-            async for first in stream:
+            async for delta in stream:
                 # Deltas that piled up while the caller was slow travel as one event.
-                token_ids, output = list(first.token_ids), first.output
-                while output is None and (more := stream.next_ready()) is not None:
-                    token_ids += more.token_ids
-                    output = more.output
-                delta = StreamDelta(token_ids, output)
+                while delta.output is None and (more := stream.next_ready()) is not None:
+                    delta = delta.merge(more)
                 piece = text.push(delta.token_ids)
+                output = delta.output
                 if text.stopped:  # a stop string: end here, whatever the target would add
-                    output = delta.output or await self.coordinator.finish(request_id)
+                    output = output or await self.coordinator.finish(request_id)
                     finished = True
                     if output is None:  # it ended otherwise meanwhile (cancelled)
                         raise RequestCancelledError(f"request {request_id} was cancelled")
-                    if piece or delta.token_ids:
-                        yield {"kind": "delta", "text": piece, "token_ids": delta.token_ids}
-                    yield final_event(output, text.text, "stop")
-                    return
-                if delta.output is not None:
+                    # Tokens past the one that completed the stop string are not delivered.
+                    before = len(text.token_ids) - len(delta.token_ids)
+                    delta = _first_tokens(delta, max(text.kept_tokens - before, 0))
+                elif output is not None:
                     finished = True
                     piece += text.flush()
-                    if piece or delta.token_ids:
-                        yield {"kind": "delta", "text": piece, "token_ids": delta.token_ids}
-                    yield final_event(delta.output, text.text, delta.output.finish_reason)
-                    return
+                new_logprobs = new_prompt_logprobs = None
+                if logprobs is not None:  # asked: a list, empty for a delta without tokens
+                    new_logprobs = self._entries(delta.logprobs or [])
+                    logprobs += new_logprobs
+                if delta.prompt_logprobs is not None:  # with the request's first tokens
+                    new_prompt_logprobs = self._prompt_entries(delta.prompt_logprobs, prompt_ids)
+                    prompt_logprobs = new_prompt_logprobs
                 if piece or delta.token_ids:
-                    yield {"kind": "delta", "text": piece, "token_ids": delta.token_ids}
+                    yield {
+                        "kind": "delta",
+                        "text": piece,
+                        "token_ids": list(delta.token_ids),
+                        "logprobs": new_logprobs,
+                        "prompt_logprobs": new_prompt_logprobs,
+                    }
+                if output is not None:
+                    if prompt_logprobs is None and output.prompt_logprobs is not None:
+                        prompt_logprobs = self._prompt_entries(output.prompt_logprobs, prompt_ids)
+                    yield final_event(
+                        output,
+                        text.text,
+                        "stop" if text.stopped else output.finish_reason,
+                        num_tokens=text.kept_tokens if text.stopped else None,
+                        logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs,
+                    )
+                    return
         except RequestCancelledError:
             finished = True
             raise
         finally:
             if not finished:  # the caller went away (or failed): free the workers' state
                 self.coordinator.abort(request_id)
+
+    # ---- log-probabilities, as events carry them (specray.serve.protocol) ---------------
+    def _token_text(self, token_id: int) -> str:
+        """A token's text decoded on its own, special tokens spelled out (as OpenAI and vLLM
+        report tokens); ``token_id:<id>`` for a model without a tokenizer (vLLM's spelling)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            if self.tokenizer is None:
+                text = f"token_id:{token_id}"
+            else:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    def _entries(self, logprobs: list[TokenLogprob]) -> list[dict]:
+        token = self._token_text
+        return [
+            {
+                "token_id": item.token_id,
+                "token": token(item.token_id),
+                "logprob": item.logprob,
+                "rank": item.rank,
+                "top": [
+                    {"token_id": top_id, "token": token(top_id), "logprob": top_logprob}
+                    for top_id, top_logprob in zip(item.top_ids, item.top_logprobs, strict=True)
+                ],
+            }
+            for item in logprobs
+        ]
+
+    def _prompt_entries(
+        self, logprobs: list[TokenLogprob | None], prompt_ids: list[int]
+    ) -> list[dict]:
+        """One per prompt token; the first has no log-probability (nothing precedes it)."""
+        first = prompt_ids[0]
+        entry = {"token_id": first, "token": self._token_text(first), "logprob": None}
+        return [entry | {"rank": None, "top": []}, *self._entries(logprobs[1:])]
 
     async def abort(self, request_id: str) -> bool:
         return self.coordinator.abort(request_id)

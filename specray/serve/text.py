@@ -16,6 +16,9 @@ class TextStream:
     the start of a stop string. ``stopped`` is set when a stop string appeared; the text then
     ends right before it (right after it with ``include_stop``); none counts before
     ``min_tokens`` tokens. ``flush()`` returns what was held back once the output is final.
+    ``kept_tokens``: the tokens the output keeps, all of them, or once a stop string appeared
+    those through the token that completed it (as vLLM counts: what comes after it is not
+    delivered, however many tokens a speculative round committed past it).
 
     Decoding is incremental: each push decodes only the tokens since the last complete
     character, with the chunk before them as context (a token's text can depend on its left
@@ -41,15 +44,23 @@ class TextStream:
         self.stopped = False
         self._prefix = 0  # the decode window starts here (context for the new tokens)
         self._read = 0  # tokens whose text is in ``text``
+        # (tokens read, len(text)) after each decode that added text: where a character of
+        # ``text`` came from, to the decode (a few tokens) that added it
+        self._marks: list[tuple[int, int]] = [(0, 0)]
+        self.kept_tokens = 0
 
     def push(self, token_ids: Sequence[int]) -> str:
         self.token_ids.extend(token_ids)
-        if self.stopped or self.tokenizer is None:
+        if self.stopped:
+            return ""
+        self.kept_tokens = len(self.token_ids)
+        if self.tokenizer is None:
             return ""
         self._decode_new(force=False)
         found = self._first_stop(self.text) if len(self.token_ids) >= self.min_tokens else None
         if found is not None:
             cut, stop = found
+            self.kept_tokens = max(self._tokens_through(cut + len(stop)), self.min_tokens)
             self.text, self.stopped = self.text[: cut + len(stop) * self.include_stop], True
             return self._take(len(self.text))
         return self._take(len(self.text) - self._hold)
@@ -69,6 +80,26 @@ class TextStream:
             return
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self.token_ids)
+        self._marks.append((self._read, len(self.text)))
+
+    def _tokens_through(self, end: int) -> int:
+        """The fewest tokens whose text reaches character ``end`` of ``text``.
+
+        Example: tokens "He", "llo", " wor", "ld" decoded in two pushes (marks at 2 tokens / 5
+        characters and 4 / 11): ``end`` 8 lies in the second push's text, where "Hello wor"
+        reaches 9 characters with 3 tokens, so 3.
+        """
+        marks = self._marks
+        after = next(i for i, (_, length) in enumerate(marks) if length >= end)
+        (start, start_chars), (stop, _) = marks[after - 1], marks[after]
+        context = marks[after - 2][0] if after >= 2 else 0  # the decode window's start
+        decode = self.tokenizer.decode
+        base = len(decode(self.token_ids[context:start], skip_special_tokens=True))
+        for count in range(start + 1, stop):
+            text = decode(self.token_ids[context:count], skip_special_tokens=True)
+            if start_chars + len(text) - base >= end and not text.endswith(REPLACEMENT_CHAR):
+                return count
+        return stop
 
     def _first_stop(self, text: str) -> tuple[int, str] | None:
         """Where the first stop string starts, and which (the longest of those starting

@@ -39,6 +39,9 @@ def _sampling_properties(vocab_size: int) -> dict:
         # at most the least max_tokens, so that a body the schema accepts is valid
         "min_tokens": {"type": "integer", "minimum": 0, "maximum": 1},
         "allowed_token_ids": {"type": "array", "items": token_id, "minItems": 1, "maxItems": 4},
+        "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},  # not with stream
+        "logprobs_mode": {"enum": ["raw", "processed", "raw_logprobs", "processed_logprobs"]},
+        "include_stop_str_in_output": {"type": "boolean"},
         "stop": {
             "anyOf": [
                 {"type": "string", "minLength": 1, "maxLength": 8},
@@ -84,8 +87,8 @@ def completion_schema(vocab_size: int, model: str) -> dict:
                     {"type": "array", "items": token_ids, "minItems": 1, "maxItems": 2},
                 ]
             },
-            "echo": {"enum": [False]},
-            "logprobs": {"type": "null"},
+            "echo": {"type": "boolean"},
+            "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
             "best_of": {"enum": [1]},
             "suffix": {"type": "null"},
             **_sampling_properties(vocab_size),
@@ -122,8 +125,8 @@ def chat_schema(vocab_size: int, model: str) -> dict:
             "model": {"enum": [model]},
             "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": 3},
             "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS},
-            "logprobs": {"enum": [False]},
-            "top_logprobs": {"type": "null"},
+            "logprobs": {"type": "boolean"},
+            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},  # with logprobs
             "response_format": {
                 "type": "object",
                 "required": ["type"],

@@ -136,7 +136,7 @@ SAMPLING_DOUBLES = {
 CORRUPTIBLE = (
     "text", "token_ids", "messages", "no prompt", "double", "top_k", "logit_bias",
     "allowed_token_ids", "banned_token_ids", "stop_token_ids", "max_tokens", "seed", "stop",
-    "num_speculative_tokens", "request_id",
+    "num_speculative_tokens", "request_id", "logprobs",
 )  # fmt: skip
 
 
@@ -177,6 +177,10 @@ def corrupt(message: pb.GenerateRequest, field: str, draw) -> None:
         message.num_speculative_tokens = draw(st.sampled_from([0, 33, 2**32 - 1]))
     elif field == "request_id":
         message.request_id = draw(st.sampled_from(["r" * 10_000, "\x00", " "]))
+    elif field == "logprobs":
+        name = draw(st.sampled_from(["logprobs", "prompt_logprobs"]))
+        setattr(message, name, draw(st.sampled_from([21, 2**32 - 1])))
+        message.logprobs_mode = draw(st.sampled_from(["raw", "processed_logprobs", "bogus", ""]))
 
 
 @st.composite
@@ -208,6 +212,11 @@ def generate_requests(draw) -> pb.GenerateRequest:
         message.seed = draw(st.integers(0, 2**63 - 1))
     if draw(st.booleans()):
         message.num_speculative_tokens = draw(st.integers(0, 8))
+    if draw(st.integers(0, 2)) == 0:
+        message.logprobs = draw(st.integers(0, 20))
+        message.logprobs_mode = draw(st.sampled_from(["", "raw", "processed"]))
+    if draw(st.integers(0, 3)) == 0:
+        message.prompt_logprobs = draw(st.integers(0, 20))
     for field in draw(st.lists(st.sampled_from(CORRUPTIBLE), max_size=2, unique=True)):
         corrupt(message, field, draw)
     return message
@@ -230,6 +239,14 @@ def _assert_well_formed_stream(message: pb.GenerateRequest, raw: list[bytes]) ->
     if message.HasField("allowed_token_ids"):
         assert set(final.token_ids) <= set(message.allowed_token_ids.ids), final
     assert not set(final.token_ids) & set(message.banned_token_ids), final
+    if message.HasField("logprobs"):  # one per token, on each delta and on the final
+        for part in [*(r.delta for r in responses[:-1]), final]:
+            assert [e.token_id for e in part.logprobs] == list(part.token_ids), part
+            assert all(len(e.top_token_ids) == message.logprobs for e in part.logprobs), part
+    else:
+        assert not final.logprobs, final
+    if message.HasField("prompt_logprobs"):  # every prompt token's but the first
+        assert len(final.prompt_logprobs) == final.prompt_tokens - 1, final
 
 
 @fuzz_settings(80)

@@ -30,6 +30,7 @@ from specray.serve.openai_schema import (
     COMPLETION_FIELDS,
     SAMPLING_FIELDS,
     SPECRAY_FIELDS,
+    VLLM_FIELDS,
 )
 from tests.fuzz.budget import fuzz_settings
 from tests.fuzz.conftest import MODEL, TOKEN, HttpResult
@@ -64,13 +65,23 @@ def _parsed(raw: bytes):
         return None
 
 
+def _strict_json(text: str):
+    """JSON as the standard has it: NaN and +-Infinity (Python's extension, what -inf
+    log-probabilities would become) are failures."""
+
+    def refuse(literal: str):
+        raise AssertionError(f"{literal} is not JSON, in {text[:300]!r}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def _sse_events(text: str) -> list:
     events = []
     for block in text.split("\n\n"):
         if block:
             assert block.startswith("data: "), block[:200]
             data = block[len("data: ") :]
-            events.append(data if data == "[DONE]" else json.loads(data))
+            events.append(data if data == "[DONE]" else _strict_json(data))
     return events
 
 
@@ -121,7 +132,7 @@ def check(result: HttpResult, tally, *, method: str = "POST", body=None, raw: by
                 return
         assert events and events[-1] == "[DONE]", context
     elif content_type.startswith("application/json"):
-        payload = json.loads(text)
+        payload = _strict_json(text)
         if "choices" in payload:
             assert payload["choices"], context
             for choice in payload["choices"]:
@@ -154,7 +165,7 @@ def _assert_serving(served) -> None:
 
 # ---- the description ---------------------------------------------------------------------------
 def test_description_covers_every_accepted_field():
-    common = COMMON_FIELDS | SPECRAY_FIELDS | set(SAMPLING_FIELDS)
+    common = COMMON_FIELDS | SPECRAY_FIELDS | VLLM_FIELDS | set(SAMPLING_FIELDS)
     for path, fields in (
         ("/v1/completions", common | COMPLETION_FIELDS),
         ("/v1/chat/completions", common | CHAT_FIELDS),
@@ -190,7 +201,12 @@ json_values = st.recursive(
     max_leaves=10,
 )
 ACCEPTED_FIELDS = (
-    COMMON_FIELDS | SPECRAY_FIELDS | COMPLETION_FIELDS | CHAT_FIELDS | set(SAMPLING_FIELDS)
+    COMMON_FIELDS
+    | SPECRAY_FIELDS
+    | VLLM_FIELDS
+    | COMPLETION_FIELDS
+    | CHAT_FIELDS
+    | set(SAMPLING_FIELDS)
 )
 field_names = st.one_of(st.sampled_from(sorted(ACCEPTED_FIELDS)), text)
 

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import specray
-from specray.client import AsyncClient, Client, SpecrayClientError
+from specray.client import AsyncClient, Client, SpecrayClientError, TokenLogprob
 from specray.engine_core.coordinator import CoordinatorConfig
 from specray.serve.grpc_api import REFLECTION_V1, SERVICE_NAME, TLSConfig, start_grpc_server
 from specray.serve.service import LocalBackend
@@ -289,6 +289,37 @@ def test_speculation_modes_per_request(served, engine_greedy):
     assert on.speculative_decoding["num_drafts"] > 0
 
 
+def test_logprobs_streamed_and_final(served):
+    """``logprobs`` / ``prompt_logprobs``: typed TokenLogprob per output token on each chunk and
+    on the Completion (the same, streamed or not), the prompt's on the Completion (None for
+    the first token, as vLLM's); none when not asked."""
+    fields = {"prompt_token_ids": PROMPT_IDS, "max_tokens": 12, "temperature": 0.0}
+    asked = {"logprobs": 2, "prompt_logprobs": 1}
+    with Client(served.target) as client:
+        completion = client.generate(**fields, **asked)
+        chunks = list(client.stream(**fields, **asked))
+        plain = client.generate(**fields)
+    assert plain.logprobs is None and plain.prompt_logprobs is None
+    assert len(completion.logprobs) == len(completion.token_ids) > 0
+    for token_id, item in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert isinstance(item, TokenLogprob) and item.token_id == token_id
+        assert len(item.top_token_ids) == len(item.top_logprobs) == 2
+        assert item.rank >= 1 and item.logprob <= item.top_logprobs[0]
+        if item.rank == 1:  # greedy: the token is its own most likely
+            assert (item.top_token_ids[0], item.top_logprobs[0]) == (token_id, item.logprob)
+    prompt = completion.prompt_logprobs
+    assert prompt[0] is None and [item.token_id for item in prompt[1:]] == PROMPT_IDS[1:]
+    assert all(len(item.top_token_ids) == 1 for item in prompt[1:])
+    streamed = [item for chunk in chunks for item in chunk.logprobs or ()]
+    assert [item.token_id for item in streamed] == list(completion.token_ids)
+    assert [item.logprob for item in streamed] == pytest.approx(
+        [item.logprob for item in completion.logprobs], abs=1e-4
+    )
+    final = chunks[-1].completion
+    assert [item.token_id for item in final.logprobs] == list(completion.token_ids)
+    assert [item.token_id for item in final.prompt_logprobs[1:]] == PROMPT_IDS[1:]
+
+
 def test_model_info_health_and_reflection(served, tiny_chat):
     with Client(served.target) as client:
         info = client.model_info()
@@ -386,6 +417,9 @@ def test_client_deadline_is_deadline_exceeded_and_frees_the_request(served):
         ({"prompt": "hi", "logit_bias": {10**6: 1.0}}, "logit_bias"),
         ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
         ({"prompt": "hi", "stop": [""]}, "stop"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "hi", "logprobs": 1, "logprobs_mode": "bogus"}, "logprobs_mode"),
     ],
 )
 def test_invalid_input_is_invalid_argument_naming_the_parameter(served, request_kwargs, named):

@@ -10,7 +10,9 @@ request is refused as overloaded).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import math
 import socket
 import threading
 import time
@@ -453,6 +455,261 @@ def test_chat_stream_through_client(served, client, engine):
     assert text == expected.text
 
 
+# ---- log-probabilities -------------------------------------------------------------------
+# The same target rows computed in other round shapes (batch, speculated or not) differ in the
+# last float32 bits (docs/design.md, "Logprobs"); a wrong row is off by far more.
+LOGPROB_TOLERANCE = 1e-4
+JSON_MIN_LOGPROB = -9999.0  # what -inf is sent as
+
+
+def _engine_logprobs(engine, prompt, *, chat: bool, max_tokens: int = MAX_TOKENS, **asked):
+    """The offline engine's greedy output with ``logprobs`` / ``prompt_logprobs``: the oracle."""
+    from specray.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **asked)
+    return engine.generate(prompt, params, use_chat_template=chat)[0]
+
+
+def _token_texts(engine, token_ids) -> list[str]:
+    """Each token decoded on its own, as the API reports tokens."""
+    return [engine.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+
+
+def _offsets(tokens: list[str]) -> list[int]:
+    return list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+
+
+def _streamed_lists(events: list) -> dict:
+    """The legacy logprobs lists of a completions stream's chunks, concatenated."""
+    lists = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for event in events:
+        if isinstance(event, dict) and event["choices"] and event["choices"][0]["logprobs"]:
+            for key in lists:
+                lists[key] += event["choices"][0]["logprobs"][key]
+    return lists
+
+
+def _assert_same_lists(streamed: dict, whole: dict) -> None:
+    assert streamed["tokens"] == whole["tokens"]
+    assert streamed["text_offset"] == whole["text_offset"]
+    scores = whole["token_logprobs"]
+    assert streamed["token_logprobs"] == pytest.approx(scores, abs=LOGPROB_TOLERANCE)
+    assert [t and set(t) for t in streamed["top_logprobs"]] == [
+        t and set(t) for t in whole["top_logprobs"]
+    ]
+
+
+def test_completion_logprobs_match_the_engine(served, client, engine):
+    """OpenAI's legacy lists, one position per generated token: the engine's log-probability,
+    top_logprobs the token and its 3 most likely, text_offset the token texts before; the
+    chunks of the same request streamed concatenate to the same lists."""
+    expected = _engine_logprobs(engine, PROMPT, chat=False, logprobs=3)
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=3
+    )
+    lists = completion.choices[0].logprobs
+    assert lists.tokens == _token_texts(engine, expected.token_ids)
+    assert lists.token_logprobs == pytest.approx(
+        [entry.logprob for entry in expected.logprobs], abs=LOGPROB_TOLERANCE
+    )
+    assert lists.text_offset == _offsets(lists.tokens)
+    for token, logprob, top, entry in zip(
+        lists.tokens, lists.token_logprobs, lists.top_logprobs, expected.logprobs, strict=True
+    ):
+        assert top[token] == logprob and 1 < len(top) <= 4
+        assert set(_token_texts(engine, entry.top_ids)) <= set(top)
+        if entry.rank == 1:  # greedy: the token is the most likely
+            assert logprob == max(top.values())
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    reply = httpx.post(
+        f"{served.url()}/v1/completions", json=body | {"logprobs": 3, "stream": True}, timeout=60
+    )
+    whole = completion.choices[0].model_dump()["logprobs"]
+    _assert_same_lists(_streamed_lists(_sse_events(reply.text)), whole)
+
+
+def test_echo_with_logprobs_scores_the_prompt(served, engine):
+    """lm-eval's loglikelihood request: the prompt's tokens lead the lists, the first with a
+    null logprob and top_logprobs (nothing precedes it), the others with the engine's
+    prompt_logprobs; then the one generated token. Text and token-id prompts alike."""
+    prompt_ids = engine.encode_prompt(PROMPT, use_chat_template=False)
+    expected = _engine_logprobs(
+        engine, PROMPT, chat=False, max_tokens=1, logprobs=1, prompt_logprobs=1
+    )
+    scores = [entry.logprob for entry in expected.prompt_logprobs[1:]]
+    payload = {"model": MODEL, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    for prompt in (PROMPT, prompt_ids):
+        reply = httpx.post(
+            f"{served.url()}/v1/completions", json=payload | {"prompt": prompt}, timeout=60
+        )
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        assert choice["text"] == PROMPT + expected.text
+        lists = choice["logprobs"]
+        assert lists["tokens"] == _token_texts(engine, [*prompt_ids, *expected.token_ids])
+        assert lists["token_logprobs"][0] is None and lists["top_logprobs"][0] is None
+        assert lists["token_logprobs"][1:] == pytest.approx(
+            [*scores, expected.logprobs[0].logprob], abs=LOGPROB_TOLERANCE
+        )
+        assert lists["text_offset"] == _offsets(lists["tokens"])
+        # lm-eval's greedy check: a position is greedy iff its logprob is its top's largest
+        positions = zip(
+            lists["token_logprobs"][1:-1],
+            lists["top_logprobs"][1:-1],
+            expected.prompt_logprobs[1:],
+            strict=True,
+        )
+        for logprob, top, entry in positions:
+            assert (logprob == max(top.values())) == (entry.rank == 1)
+        assert reply.json()["usage"]["completion_tokens"] == 1
+
+
+def test_echo_streamed_and_without_logprobs(served, engine):
+    """echo prepends the prompt with or without logprobs; streamed, the first chunk leads with
+    it and the chunks concatenate to the non-streamed choice."""
+    expected = _greedy(engine, PROMPT, chat=False)
+    url = f"{served.url()}/v1/completions"
+    body = {"model": MODEL, "prompt": PROMPT, "echo": True, "max_tokens": MAX_TOKENS}
+    body["temperature"] = 0
+    plain = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+    assert plain["text"] == PROMPT + expected.text and plain["logprobs"] is None
+    whole = httpx.post(url, json=body | {"logprobs": 2}, timeout=60).json()["choices"][0]
+    assert whole["text"] == plain["text"]
+    events = _sse_events(
+        httpx.post(url, json=body | {"logprobs": 2, "stream": True}, timeout=60).text
+    )
+    assert events[-1] == "[DONE]"
+    texts = [event["choices"][0]["text"] for event in events[:-1]]
+    assert texts[0].startswith(PROMPT) and "".join(texts) == whole["text"]
+    _assert_same_lists(_streamed_lists(events), whole["logprobs"])
+
+
+def test_prompt_logprobs_as_vllm(served, engine):
+    """vLLM's prompt_logprobs: None for the first prompt token, then per position the prompt
+    token (its rank) and the 2 most likely (ranks 1, 2), keyed by token id; per choice on
+    completions, at the top level on chat; not with stream."""
+    prompt_ids = engine.encode_prompt(PROMPT, use_chat_template=False)
+    expected = _engine_logprobs(engine, PROMPT, chat=False, max_tokens=2, prompt_logprobs=2)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    reply = httpx.post(
+        f"{served.url()}/v1/completions", json=body | {"prompt_logprobs": 2}, timeout=60
+    ).json()
+    [choice] = reply["choices"]
+    assert choice["logprobs"] is None  # not asked
+    positions = choice["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == len(prompt_ids)
+    for token_id, position, entry in zip(
+        prompt_ids[1:], positions[1:], expected.prompt_logprobs[1:], strict=True
+    ):
+        own = position[str(token_id)]
+        assert own["logprob"] == pytest.approx(entry.logprob, abs=LOGPROB_TOLERANCE)
+        assert own["decoded_token"] == _token_texts(engine, [token_id])[0]
+        assert own["rank"] == entry.rank
+        assert [position[str(t)]["rank"] for t in entry.top_ids] == [1, 2]
+        assert len(position) == 2 + (token_id not in entry.top_ids)
+    messages = [{"role": "user", "content": QUESTION}]
+    chat = {"model": MODEL, "messages": messages, "max_tokens": 2, "prompt_logprobs": 0}
+    chat_reply = httpx.post(f"{served.url()}/v1/chat/completions", json=chat, timeout=60).json()
+    positions = chat_reply["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == chat_reply["usage"]["prompt_tokens"]
+    assert all(len(position) == 1 for position in positions[1:])  # the prompt token alone
+    assert "prompt_logprobs" not in chat_reply["choices"][0]
+
+
+def test_chat_logprobs_streamed_and_not(served, client, engine):
+    """Chat's logprobs.content: per token its text (decoded on its own), log-probability,
+    UTF-8 bytes and the top_logprobs most likely; the stream's chunks carry their tokens'."""
+    expected = _engine_logprobs(engine, QUESTION, chat=True, logprobs=3)
+    fields = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    content = client.chat.completions.create(**fields).choices[0].logprobs.content
+    assert [item.token for item in content] == _token_texts(engine, expected.token_ids)
+    assert [item.logprob for item in content] == pytest.approx(
+        [entry.logprob for entry in expected.logprobs], abs=LOGPROB_TOLERANCE
+    )
+    for item, entry in zip(content, expected.logprobs, strict=True):
+        assert item.bytes == list(item.token.encode("utf-8"))
+        assert [top.token for top in item.top_logprobs] == _token_texts(engine, entry.top_ids)
+        if entry.rank == 1:  # the token is its own first most likely
+            assert (item.top_logprobs[0].token, item.top_logprobs[0].logprob) == (
+                item.token,
+                item.logprob,
+            )
+    streamed = [
+        item
+        for chunk in client.chat.completions.create(**fields, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for item in chunk.choices[0].logprobs.content
+    ]
+    assert [item.token for item in streamed] == [item.token for item in content]
+    assert [item.logprob for item in streamed] == pytest.approx(
+        [item.logprob for item in content], abs=LOGPROB_TOLERANCE
+    )
+    bare = client.chat.completions.create(**(fields | {"top_logprobs": None, "max_tokens": 3}))
+    assert [item.top_logprobs for item in bare.choices[0].logprobs.content] == [[], [], []]
+
+
+def test_processed_logprobs_are_the_drawn_distribution(served):
+    """logprobs_mode "processed": the distribution the token was drawn from; with top_k 2 two
+    tokens hold all of it and the others are -inf, sent as -9999.0. "raw" (the default): the
+    model's, where every token has some."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "top_k": 2, "logprobs": 4}
+    url = f"{served.url()}/v1/completions"
+    processed = httpx.post(url, json=body | {"logprobs_mode": "processed"}, timeout=60)
+    assert processed.status_code == 200, processed.text
+    for top in processed.json()["choices"][0]["logprobs"]["top_logprobs"]:
+        finite = [value for value in top.values() if value > JSON_MIN_LOGPROB]
+        assert len(finite) == 2 and JSON_MIN_LOGPROB in top.values()
+        assert sum(math.exp(value) for value in finite) == pytest.approx(1.0, abs=1e-4)
+    raw = httpx.post(url, json=body | {"logprobs_mode": "raw_logprobs"}, timeout=60)  # vLLM's
+    for top in raw.json()["choices"][0]["logprobs"]["top_logprobs"]:
+        assert min(top.values()) > JSON_MIN_LOGPROB and sum(map(math.exp, top.values())) < 1
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "top_k": 2}
+    chat |= {"max_tokens": 4, "logprobs": True, "top_logprobs": 4, "stream": True}
+    chat["logprobs_mode"] = "processed"
+    streamed = httpx.post(f"{served.url()}/v1/chat/completions", json=chat, timeout=60)
+    assert "Infinity" not in streamed.text  # not JSON
+    items = [
+        item
+        for event in _sse_events(streamed.text)[:-1]
+        if event["choices"] and event["choices"][0]["logprobs"]
+        for item in event["choices"][0]["logprobs"]["content"]
+    ]
+    assert len(items) == 4
+    for item in items:
+        assert [top["logprob"] for top in item["top_logprobs"]][2:] == [JSON_MIN_LOGPROB] * 2
+
+
+def test_stop_string_logprobs_end_with_the_stop(served, client, engine):
+    """A stop string ends the output: the tokens reported (logprobs and usage) end with the
+    one that completed it, streamed or not, however many more a round committed."""
+    expected = _greedy(engine, PROMPT, chat=False)
+    stop = expected.text[6:9]
+    end = expected.text.find(stop) + len(stop)
+    decode = engine.tokenizer.decode
+    through = next(
+        count
+        for count in range(1, len(expected.token_ids) + 1)
+        if len(decode(expected.token_ids[:count], skip_special_tokens=True)) >= end
+    )
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    body |= {"stop": [stop], "logprobs": 0}
+    url = f"{served.url()}/v1/completions"
+    reply = httpx.post(url, json=body, timeout=60).json()
+    whole = reply["choices"][0]["logprobs"]
+    assert reply["choices"][0]["text"] == expected.text[: end - len(stop)]
+    assert whole["tokens"] == _token_texts(engine, expected.token_ids[:through])
+    assert reply["usage"]["completion_tokens"] == through
+    events = _sse_events(httpx.post(url, json=body | {"stream": True}, timeout=60).text)
+    _assert_same_lists(_streamed_lists(events), whole)
+
+
 # ---- errors ------------------------------------------------------------------------------
 BAD_COMPLETIONS = [
     ({"temperature": -1}, 400, "temperature"),
@@ -464,8 +721,13 @@ BAD_COMPLETIONS = [
     ({"model": "gpt-4"}, 404, "model"),
     ({"max_token": 5}, 400, "max_token"),  # a typo is an error, not silently ignored
     ({"tools": []}, 400, "tools"),
-    ({"echo": True}, 400, "echo"),
-    ({"logprobs": 2}, 400, "logprobs"),
+    ({"echo": "yes"}, 400, "echo"),
+    ({"logprobs": -1}, 400, "logprobs"),
+    ({"logprobs": 21}, 400, "logprobs"),
+    ({"logprobs": True}, 400, "logprobs"),
+    ({"prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ({"logprobs": 1, "logprobs_mode": "bogus"}, 400, "logprobs_mode"),
+    ({"logprobs_mode": 3}, 400, "logprobs_mode"),
     ({"best_of": 3}, 400, "best_of"),
     ({"suffix": "x"}, 400, "suffix"),
     ({"n": 0}, 400, "n"),
@@ -504,7 +766,13 @@ BAD_CHATS = [
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    ({"logprobs": True, "logprobs_mode": "bogus"}, "logprobs_mode"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # as vLLM
     ({"max_completion_tokens": "many"}, "max_completion_tokens"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": "text"}, "response_format"),

@@ -10,6 +10,7 @@ import pytest
 
 from specray.engine_core.coordinator import CoordinatorConfig
 from specray.errors import InvalidRequestError
+from specray.serve.groups import _whole_logprobs
 from specray.serve.protocol import GenerateRequest
 from specray.serve.service import LocalBackend
 from tests.helpers.tiny_models import save_tiny_chat_pair
@@ -71,6 +72,45 @@ def test_a_resumed_stream_carries_exactly_the_rest(pair):
                     backend,
                     GenerateRequest(prompt=PROMPT, params=params, resume_token_ids=(10**9,)),
                 )
+        finally:
+            await backend.stop(drain=False)
+
+    asyncio.run(main())
+
+
+def test_a_resumed_stream_carries_the_rest_of_the_logprobs(pair):
+    """With logprobs asked, a resumed stream's deltas carry its own tokens' (the whole
+    request's tail) and so does its final; the engine core scores no prompt for a resumed
+    request (the first attempt's first delta had it). The ingress puts the request's back
+    together (groups._whole_logprobs)."""
+    target, draft = pair
+
+    async def main():
+        config = CoordinatorConfig(num_speculative_tokens=3, adaptive_k=False)
+        backend = await LocalBackend.start(target, draft, model_name="tiny", config=config)
+        try:
+            params = {"temperature": 0, "max_tokens": 24, "logprobs": 2, "prompt_logprobs": 1}
+            whole = await _events(backend, GenerateRequest(prompt=PROMPT, params=params))
+            tokens, final = list(whole[-1]["token_ids"]), whole[-1]
+            assert [e["token_id"] for e in final["logprobs"]] == tokens
+            assert final["prompt_logprobs"] == whole[0]["prompt_logprobs"]  # first delta's
+            cut = 7
+            resumed = await _events(
+                backend,
+                GenerateRequest(prompt=PROMPT, params=params, resume_token_ids=tuple(tokens[:cut])),
+            )
+            deltas = [e for e in resumed if e["kind"] == "delta"]
+            rest = [entry for e in deltas for entry in e["logprobs"]]
+            assert [entry["token_id"] for entry in rest] == tokens[cut:]
+            assert [entry["logprob"] for entry in rest] == pytest.approx(
+                [entry["logprob"] for entry in final["logprobs"][cut:]], abs=1e-4
+            )
+            assert resumed[-1]["logprobs"] == rest and resumed[-1]["prompt_logprobs"] is None
+            joined = _whole_logprobs(
+                resumed[-1], final["logprobs"][:cut] + rest, final["prompt_logprobs"]
+            )
+            assert [entry["token_id"] for entry in joined["logprobs"]] == tokens
+            assert joined["prompt_logprobs"] == final["prompt_logprobs"]
         finally:
             await backend.stop(drain=False)
 

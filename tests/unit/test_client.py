@@ -15,7 +15,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specray.client import AsyncClient, Client, ClientConfig, RetryPolicy, SpecrayClientError
+from specray.client import (
+    AsyncClient,
+    Chunk,
+    Client,
+    ClientConfig,
+    Completion,
+    RetryPolicy,
+    SpecrayClientError,
+    TokenLogprob,
+)
 from specray.client.requests import build_request
 from specray.v1 import generation_pb2 as pb
 from specray.v1 import generation_pb2_grpc
@@ -179,6 +188,27 @@ def test_requests_leave_unset_options_unset():
     assert request.HasField("token_ids") and request.HasField("allowed_token_ids")  # sent empty
 
 
+def test_logprob_options_are_sent_and_results_typed():
+    request = build_request(
+        "hi", None, None, {"logprobs": 0, "prompt_logprobs": 2, "logprobs_mode": "processed"}
+    )
+    assert request.HasField("logprobs") and request.logprobs == 0  # 0 is asked: own only
+    assert request.prompt_logprobs == 2 and request.logprobs_mode == "processed"
+    assert not build_request("hi", None, None, {}).HasField("logprobs")
+    entry = pb.TokenLogprob(
+        token_id=5, logprob=-0.5, rank=1, top_token_ids=[5, 7], top_logprobs=[-0.5, -1.5]
+    )
+    completion = Completion.from_proto(
+        pb.Final(token_ids=[5], logprobs=[entry], prompt_logprobs=[entry])
+    )
+    assert completion.logprobs == (TokenLogprob(5, -0.5, 1, (5, 7), (-0.5, -1.5)),)
+    assert completion.prompt_logprobs == (None, *completion.logprobs)  # vLLM's: None first
+    unasked = Completion.from_proto(pb.Final(token_ids=[5]))
+    assert unasked.logprobs is None and unasked.prompt_logprobs is None
+    delta = pb.Delta(text="a", token_ids=[5], logprobs=[entry])
+    assert Chunk.from_proto(pb.GenerateResponse(delta=delta)).logprobs == completion.logprobs
+
+
 @pytest.mark.parametrize(
     ("prompt", "messages", "ids", "options", "named"),
     [
@@ -187,6 +217,7 @@ def test_requests_leave_unset_options_unset():
         ("hi", None, None, {"temprature": 1.0}, "temprature"),
         ("hi", None, None, {"temperature": "hot"}, "temperature"),
         ("hi", None, None, {"seed": -1}, "seed"),
+        ("hi", None, None, {"logprobs": -1}, "logprobs"),
         (None, None, ["a"], {}, "prompt_token_ids"),
         (None, [{"role": "user"}], None, {}, "messages[0]"),
     ],

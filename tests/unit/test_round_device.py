@@ -15,6 +15,7 @@ Both watchers are checked against a deliberate violation first (the negative con
 
 import random
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -64,9 +65,10 @@ class Watch(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _round():
+def _round(**logprobs):
     """A core with BATCH prefilled requests (half greedy, half sampled at temperature 1 with
-    top-p and a penalty) and their blocks of K tokens, sparse q for the sampled ones."""
+    top-p and a penalty) and their blocks of K tokens, sparse q for the sampled ones;
+    ``logprobs``: SamplingParams' log-probability fields for every request."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -87,6 +89,7 @@ def _round():
             top_p=1.0 if greedy else 0.9,
             presence_penalty=0.0 if greedy else 0.5,
             max_tokens=64,
+            **logprobs,
         )
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))]
         requests.append(RequestState.create(f"r{i}", prompt, params, i, VOCAB, frozenset()))
@@ -121,3 +124,16 @@ def test_a_round_reads_the_device_at_most_twice_and_names_every_device():
     assert len(committed) == BATCH and all(1 <= len(tokens) <= K + 1 for tokens in committed)
     assert len(watch.syncs) <= 2, watch.syncs
     assert watch.undevised == []
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_logprobs_cost_a_round_one_more_read(mode):
+    """Requests asking for logprobs (and their prompt's): one more copy to the host per round,
+    whatever the batch; the prefill reads each chunk's prompt logprobs once."""
+    core, requests, blocks = _round(logprobs=5, prompt_logprobs=2, logprobs_mode=mode)
+    with Watch() as watch:
+        core.verify_round(requests, blocks)
+    assert len(watch.syncs) <= 3, watch.syncs
+    assert watch.undevised == []
+    assert all(len(r.logprobs) == len(r.output_token_ids) for r in requests)
+    assert all(len(r.prompt_logprobs) == len(r.prompt_token_ids) - 1 for r in requests)

@@ -742,3 +742,23 @@ def test_greedy_rule_from_ids_names_a_bad_shape() -> None:
         verify_batch_greedy_ids(drafts, num_draft, torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"num_draft_tokens must be in \[0, 3\]"):
         verify_batch_greedy_ids(drafts, torch.tensor([4, 0]), torch.zeros(2, 4, dtype=torch.int64))
+
+
+@pytest.mark.parametrize(
+    ("options", "eos"),
+    [
+        ({"allowed_token_ids": [0], "stop_token_ids": [0]}, frozenset()),
+        ({"allowed_token_ids": [4]}, frozenset({4})),  # the only allowed token is EOS
+        ({"banned_token_ids": [0, 1, 2], "stop_token_ids": [3]}, frozenset({4})),
+    ],
+)
+def test_min_tokens_must_leave_a_token_to_draw(options, eos) -> None:
+    """Before min_tokens the stop ids are masked: nothing left to draw is refused by name (a
+    NaN row otherwise); the same request without min_tokens, or ignoring EOS, is fine."""
+    params = SamplingParams(max_tokens=2, min_tokens=1, **options)
+    with pytest.raises(SamplingParamsError) as caught:
+        params.check_vocab(5, eos)
+    assert caught.value.param == "min_tokens"
+    SamplingParams(max_tokens=2, **options).check_vocab(5, eos)
+    if not options.get("stop_token_ids"):
+        SamplingParams(max_tokens=2, min_tokens=1, ignore_eos=True, **options).check_vocab(5, eos)
