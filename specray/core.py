@@ -17,7 +17,7 @@ h_0 .. h_{P-2}, each round the rows of pending and the accepted drafts (the rows
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +37,7 @@ from specray.sampling import (
     verify_batch_greedy_ids,
 )
 from specray.sampling.batch_pipeline import BatchLogitsPipeline
+from specray.sampling.grammar import Grammars
 from specray.sampling.logprobs import TokenLogprob, scored_rows, unpack
 from specray.sampling.rng import seed_tensor
 from specray.sampling.rows import Workspace
@@ -68,7 +69,10 @@ class RequestState:
         seed: int,
         vocab_size: int,
         eos_token_ids: frozenset[int],
+        grammars: Callable[[], Grammars] | None = None,
     ) -> RequestState:
+        """``grammars``: this process's grammar compiler (built on first use), for requests
+        with structured outputs."""
         stop = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop |= eos_token_ids
@@ -77,14 +81,23 @@ class RequestState:
             prompt_token_ids=prompt_token_ids,
             params=params,
             # min_tokens masks what would end the request: these ids
-            pipeline=LogitsPipeline(params, vocab_size, prompt_token_ids, sorted(stop)),
+            pipeline=LogitsPipeline(
+                params,
+                vocab_size,
+                prompt_token_ids,
+                sorted(stop),
+                grammars() if grammars is not None and params.structured_outputs else None,
+            ),
             random=KeyedRandom(seed),
             stop_token_ids=frozenset(stop),
         )
 
     @staticmethod
     def from_spec(
-        spec: RequestSpec, vocab_size: int, eos_token_ids: frozenset[int]
+        spec: RequestSpec,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        grammars: Callable[[], Grammars] | None = None,
     ) -> RequestState:
         """Rebuild a request on a worker from its spec (see :meth:`to_spec`)."""
         state = RequestState.create(
@@ -94,6 +107,7 @@ class RequestState:
             spec.seed,
             vocab_size,
             eos_token_ids,
+            grammars,
         )
         state.output_token_ids = list(spec.output_token_ids)
         return state

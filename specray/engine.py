@@ -18,12 +18,14 @@ from specray.cluster.distributed import DistributedBackend, connect
 from specray.cluster.placement import PlacementConfig
 from specray.core import Block, RequestState, TargetCore, eos_token_ids
 from specray.drafters import Drafter, DraftRequest, make_drafter
+from specray.engine_core.admission import check_structured_outputs
 from specray.engine_core.client import EngineCoreClient
 from specray.engine_core.coordinator_config import (
     DEFAULT_DRAFT_DEADLINE_S,
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     CoordinatorConfig,
 )
+from specray.errors import InvalidRequestError
 from specray.models.device import DeviceError, check_device_spec, check_dtype_spec, resolve_device
 from specray.models.loading import LoadedModel, load_model, load_model_info
 from specray.models.runner import ModelRunner
@@ -33,7 +35,9 @@ from specray.sampling import (
     MAX_SPEC_LEN,
     DraftProbsEncoding,
     SamplingParams,
+    SamplingParamsError,
 )
+from specray.sampling.grammar import lazy_grammars
 from specray.sampling.rng import random_seed
 
 DEFAULT_MAX_BATCH_SIZE = 32  # requests decoded together; more wait and join as others finish
@@ -166,6 +170,8 @@ class Engine:
         self.vocab_size = self.target.vocab_size
         self.max_positions = getattr(loaded.model.config, "max_position_embeddings", None)
         self.eos_token_ids = eos_token_ids(loaded.model, self.tokenizer)
+        # structured outputs: the grammar compiler over the tokenizer (None without one)
+        self.grammars = lazy_grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         if isinstance(draft, torch.nn.Module):
             from specray.drafters import FeatureDrafter, ModelDrafter, check_same_vocabulary
 
@@ -249,7 +255,13 @@ class Engine:
         token_ids = self._encode_checked(index, prompt, params, use_chat_template)
         seed = params.seed if params.seed is not None else random_seed()
         return RequestState.create(
-            f"req-{next(self._ids)}", token_ids, params, seed, self.vocab_size, self.eos_token_ids
+            f"req-{next(self._ids)}",
+            token_ids,
+            params,
+            seed,
+            self.vocab_size,
+            self.eos_token_ids,
+            self.grammars,
         )
 
     def _encode_checked(self, index: int, prompt, params, use_chat_template: bool) -> list[int]:
@@ -258,6 +270,11 @@ class Engine:
         token_ids = self.encode_prompt(prompt, use_chat_template=use_chat_template)
         if not token_ids:
             raise EngineInputError(f"prompts[{index}] is empty")
+        if params.structured_outputs is not None and self.runner is None:  # (else: admission)
+            try:
+                check_structured_outputs(params, self.grammars is not None)
+            except InvalidRequestError as error:
+                raise SamplingParamsError("structured_outputs", str(error)) from None
         if self.max_positions and len(token_ids) + params.max_tokens > self.max_positions:
             raise EngineInputError(
                 f"max_tokens={params.max_tokens} plus the {len(token_ids)}-token prompt exceeds "

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specray.actors.draft_link import DraftLink
-from specray.core import RequestState
+from specray.core import RequestState, eos_token_ids
 from specray.drafters import DraftRequest, FeatureDrafter, make_drafter
 from specray.feature_rows import FeatureRows
 from specray.models.device import worker_device
@@ -43,6 +43,7 @@ from specray.rpc.messages import (
     check_verdict_features,
 )
 from specray.sampling import DraftProbsEncoding, EncodedDraftProbs, stack_rows
+from specray.sampling.grammar import lazy_grammars
 
 log = logging.getLogger(__name__)
 # How long a propose waits for the verdict carrying a request's newest target feature rows.
@@ -88,6 +89,8 @@ class DraftWorker:
             draft, target_ref, config_vocab, self.encoding, keep_encoded=True, device=self.device
         )
         self.vocab_size = config_vocab
+        # The target's grammar masks on q too (the drafter follows the grammar it is judged by)
+        self.grammars = lazy_grammars(tokenizer, config_vocab, eos_token_ids(None, tokenizer))
         self.feature_drafter = next(
             (d for d in (self.drafter, getattr(self.drafter, "then", None))
              if isinstance(d, FeatureDrafter)),
@@ -344,7 +347,7 @@ class DraftWorker:
         if state is None:
             if item.spec is None:
                 raise ValueError(f"draft worker has no state for request {item.request_id}")
-            state = RequestState.from_spec(item.spec, self.vocab_size, frozenset())
+            state = RequestState.from_spec(item.spec, self.vocab_size, frozenset(), self.grammars)
             self.requests[state.request_id] = state
             self.speculated[state.request_id] = []
             self._spec_base[state.request_id] = 0

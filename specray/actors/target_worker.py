@@ -34,6 +34,7 @@ from specray.protocol import RoundReport, VerifyResult, VerifyRound
 from specray.rpc.inbox import BlockInbox
 from specray.rpc.messages import features_to_pb
 from specray.rpc.server import VerifierServicer, start_server
+from specray.sampling.grammar import lazy_grammars
 from specray.target_rounds import TargetRounds
 from specray.v1 import speculation_pb2 as pb
 
@@ -93,8 +94,11 @@ class TargetWorker:
             self.core = TargetCore(runner, keep_features=keep_features)
             self.feature_rows_sent = 0
             self.feature_bytes_sent = 0
+            grammars = lazy_grammars(loaded.tokenizer, self.vocab_size, self.eos_token_ids)
             self.rounds = TargetRounds(
-                lambda spec: RequestState.from_spec(spec, self.vocab_size, self.eos_token_ids),
+                lambda spec: RequestState.from_spec(
+                    spec, self.vocab_size, self.eos_token_ids, grammars
+                ),
                 lambda state: len(state.output_token_ids),
             )
             self.inbox = BlockInbox()

@@ -20,6 +20,22 @@ from specray.engine_core.request import Request, TargetPhase
 from specray.errors import InvalidRequestError
 from specray.rpc.messages import MAX_REQUEST_ID_CHARS
 from specray.sampling import SamplingParams
+from specray.sampling.grammar import check_compiles
+from specray.sampling.grammar_spec import GrammarError
+
+
+def check_structured_outputs(params: SamplingParams, grammars: bool = True) -> None:
+    """The request's grammar compiles, and (``grammars``) this model has a tokenizer to
+    compile it over (a worker's always has: it loads the model's directory)."""
+    if not grammars:
+        raise InvalidRequestError(
+            "structured outputs need the model's tokenizer, and this model has none",
+            param="structured_outputs",
+        )
+    try:
+        check_compiles(*params.structured_outputs)
+    except GrammarError as error:
+        raise InvalidRequestError(str(error), param="structured_outputs") from None
 
 
 def check_request(
@@ -53,6 +69,8 @@ def check_request(
         params.check_vocab(vocab_size, eos_token_ids)
     except ValueError as error:
         raise InvalidRequestError(str(error), param=getattr(error, "param", None)) from None
+    if params.structured_outputs is not None:
+        check_structured_outputs(params)
     if max_positions and len(prompt_token_ids) + params.max_tokens > max_positions:
         raise InvalidRequestError(
             f"max_tokens={params.max_tokens} plus the {len(prompt_token_ids)}-token prompt "

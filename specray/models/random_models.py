@@ -96,6 +96,7 @@ def exact_sequence_probs(
     prompt_token_ids: Sequence[int],
     params: SamplingParams,
     length: int,
+    grammars=None,
 ) -> dict[tuple[int, ...], float]:
     """The target's exact probability of every length-``length`` continuation.
 
@@ -104,7 +105,7 @@ def exact_sequence_probs(
     included (masked tokens), so the keys are all ``vocab ** length`` sequences.
     """
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
-    pipeline = LogitsPipeline(params, vocab_size, prompt_token_ids)
+    pipeline = LogitsPipeline(params, vocab_size, prompt_token_ids, grammars=grammars)
     conditionals: dict[tuple[int, ...], torch.Tensor] = {}  # prefix -> [vocab] float64
     for size in range(length):
         for prefix in itertools.product(range(vocab_size), repeat=size):

@@ -40,6 +40,7 @@ from itertools import groupby
 
 import torch
 
+from specray.sampling.grammar import unpack_masks
 from specray.sampling.pipeline import NEG_INF, LogitsPipeline
 from specray.sampling.rows import Workspace, consecutive_rows
 from specray.sampling.staging import RowIndex, Staging
@@ -67,6 +68,14 @@ class Additive:
     entry_slot: torch.Tensor  # [E] int64
     entry_ids: torch.Tensor  # [E] int64
     entry_values: torch.Tensor  # [E] float32
+
+
+@dataclass(frozen=True)
+class GrammarMasks:
+    """Step 0 for the requests with a grammar: each row's allowed tokens, packed."""
+
+    rows: torch.Tensor | None  # [Rg] int64 rows of the round; None: every row
+    packed: torch.Tensor  # [Rg, ceil(vocab / 32)] int32 (specray.sampling.grammar)
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,7 @@ class SamplingMetadata:
     dense_rows: torch.Tensor | None  # [Rd] int64 rows of the dense path's requests
     # (first dense row, first row among the sampled requests' rows, rows) per run
     dense_runs: tuple[tuple[int, int, int], ...]
+    grammar: GrammarMasks | None
     additive: Additive | None
     penalties: Penalties | None
     temperature: torch.Tensor | None  # [Rd, 1] float32; None: 1 on every dense row
@@ -139,6 +149,7 @@ class SamplingMetadata:
             greedy_rows=rows.of(picked) if picked else None,
             dense_rows=rows.of(dense) if dense else None,
             dense_runs=_runs(rows.indices(dense, sampled)[0]),
+            grammar=_stage_grammar(rows, pipelines, output_token_ids, candidate_token_ids, device),
             additive=_stage_additive(rows, pipelines, output_token_ids),
             penalties=_stage_penalties(rows, pipelines, output_token_ids, candidate_token_ids),
             **_stage_sampled_steps(rows, pipelines, dense, vocab_size),
@@ -197,8 +208,10 @@ class BatchLogitsPipeline:
         if owned:
             out = self._workspace.rows("logits", total, vocab_size, torch.float32, parts[0].device)
             torch.cat(parts, out=out)
-        if metadata.additive is not None or metadata.penalties is not None:
+        if (metadata.grammar, metadata.additive, metadata.penalties) != (None, None, None):
             out, owned = out if owned else self._copy(out), True
+            if metadata.grammar is not None:
+                _apply_grammar(out, metadata.grammar)
             if metadata.additive is not None:
                 _add_additive(out, metadata.additive)
             if metadata.penalties is not None:
@@ -303,6 +316,14 @@ def _on_rows(
     tensor.index_copy_(0, rows, part)
 
 
+def _apply_grammar(out: torch.Tensor, grammar: GrammarMasks) -> None:
+    def step(logits: torch.Tensor) -> None:  # [Rg, vocab]
+        allowed = unpack_masks(grammar.packed, logits.shape[1])  # [Rg, vocab]
+        logits.masked_fill_(~allowed, NEG_INF)
+
+    _on_rows(out, grammar.rows, step)
+
+
 def _add_additive(out: torch.Tensor, additive: Additive) -> None:
     vocab_size = out.shape[1]
     term = additive.fill.expand(-1, vocab_size).contiguous()  # [Na, vocab]
@@ -392,6 +413,22 @@ def _check(pipelines, num_rows, output_token_ids, candidate_token_ids) -> None:
                 raise ValueError(
                     f"{name} holds an id outside the vocabulary [0, {pipeline.vocab_size})"
                 )
+
+
+def _stage_grammar(rows: RowIndex, pipelines, output_token_ids, candidate_token_ids, device):
+    """Each grammar request's masks, from its matcher on the host, in one copy."""
+    requests = [i for i, pipeline in enumerate(pipelines) if pipeline.grammar is not None]
+    if not requests:
+        return None
+    packed = torch.cat(
+        [
+            pipelines[i].grammar.masks(
+                output_token_ids[i], candidate_token_ids[i], rows.num_rows[i]
+            )
+            for i in requests
+        ]
+    )  # [Rg, words] int32, on the host
+    return GrammarMasks(rows=rows.of(requests), packed=packed.to(device, non_blocking=True))
 
 
 def _stage_additive(rows: RowIndex, pipelines, output_token_ids) -> Additive | None:

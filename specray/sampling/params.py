@@ -114,6 +114,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logprobs_mode: str = "raw"  # "raw" (the model's) or "processed" (what it was drawn from)
+    # (kind, spec): the output follows a grammar (specray.sampling.grammar: json, json_object,
+    # regex, choice, grammar); its mask is a logits option like any other
+    structured_outputs: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         # Numbers are stored back as floats, so the pipeline never sees a huge int.
@@ -207,10 +210,32 @@ class SamplingParams:
                 f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}",
             )
         object.__setattr__(self, "logprobs_mode", mode)
+        if self.structured_outputs is not None:
+            self._check_structured_outputs()
         if self.seed is not None:
             seed = _check_int("seed", self.seed)
             if not 0 <= seed <= MAX_SEED:
                 _fail("seed", f"seed must be in [0, 2**63 - 1], got {seed!r}")
+
+    def _check_structured_outputs(self) -> None:
+        from specray.sampling.grammar_spec import GrammarError, check_spec
+
+        value = self.structured_outputs
+        if isinstance(value, str | bytes) or not isinstance(value, tuple | list) or len(value) != 2:
+            _fail(
+                "structured_outputs",
+                f"structured_outputs must be (kind, spec), got {_short(value)}",
+            )
+        try:
+            check_spec(*value)
+        except GrammarError as error:
+            _fail("structured_outputs", str(error))
+        object.__setattr__(self, "structured_outputs", tuple(value))
+        if self.min_tokens:  # a complete grammar allows only the stop tokens min_tokens masks
+            _fail(
+                "min_tokens",
+                f"min_tokens={self.min_tokens} cannot be combined with structured_outputs",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -240,7 +265,7 @@ class SamplingParams:
             value = values[name]
             if name == "logit_bias":
                 value = MappingProxyType({int(key): float(bias) for key, bias in value.items()})
-            elif name in TOKEN_TUPLE_FIELDS and value is not None:
+            elif (name in TOKEN_TUPLE_FIELDS or name == "structured_outputs") and value is not None:
                 value = tuple(value)
             object.__setattr__(params, name, value)
         return params

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specray.sampling.grammar import GrammarMatcher, Grammars, unpack_masks
 from specray.sampling.params import SamplingParams
 from specray.sampling.top_k import takes_candidates, top_k_probs
 
@@ -90,9 +91,12 @@ class LogitsPipeline:
         vocab_size: int,
         prompt_token_ids: Sequence[int] = (),
         stop_token_ids: Sequence[int] | None = None,
+        grammars: Grammars | None = None,
     ):
         """``stop_token_ids``: what ends this request (EOS unless ignore_eos, and
-        ``params.stop_token_ids``; None: the latter alone), masked before ``min_tokens``."""
+        ``params.stop_token_ids``; None: the latter alone), masked before ``min_tokens``.
+        ``grammars``: this process's compiler, for a request with ``structured_outputs``
+        (without one its mask is not applied: a drafter may go without, the target may not)."""
         params.check_vocab(vocab_size)
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
         if bad:
@@ -118,6 +122,14 @@ class LogitsPipeline:
             or params.frequency_penalty != 0.0
         )
         self._device_parts: dict[torch.device, _DeviceParts] = {}
+        self.grammar: GrammarMatcher | None = None  # step 0: the grammar's mask
+        if params.structured_outputs is not None and grammars is not None:
+            if grammars.vocab_size != vocab_size:
+                raise ValueError(
+                    f"the grammar compiler covers {grammars.vocab_size} tokens, the model "
+                    f"{vocab_size}"
+                )
+            self.grammar = grammars.matcher(*params.structured_outputs)
 
     def device_parts(self, device: torch.device) -> _DeviceParts:
         """The static tensors on ``device``, built there once."""
@@ -187,6 +199,10 @@ class LogitsPipeline:
                 f"got {len(candidate_token_ids)}"
             )
         out = logits.to(torch.float32)
+        if self.grammar is not None:  # step 0: what the grammar forbids after each row's history
+            packed = self.grammar.masks(output_token_ids, candidate_token_ids, rows)  # [rows, W]
+            allowed = unpack_masks(packed.to(out.device), self.vocab_size)  # [rows, vocab]
+            out = out.masked_fill(~allowed, NEG_INF)
         parts = self.device_parts(out.device)
         early = self.rows_before_min_tokens(len(output_token_ids), rows)
         if early:  # rows at output positions before min_tokens: the stop ids masked too

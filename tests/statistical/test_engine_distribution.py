@@ -30,6 +30,7 @@ import itertools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
 import pytest
@@ -41,11 +42,13 @@ from specray.engine import Engine
 from specray.sampling import (
     PLACEHOLDER_TOKEN_ID,
     BatchVerifyResult,
+    LogitsPipeline,
     SamplingParams,
     VerifyUniforms,
     sample_from_probs,
 )
 from specray.sampling.encoding import SparseDraftProbs
+from specray.sampling.grammar import Grammars
 from tests.helpers.tiny_models import exact_sequence_probs, perturbed_copy, tiny_llama
 
 VOCAB_SIZE = 5
@@ -53,6 +56,9 @@ NUM_SAMPLES = 2000  # N: generations per case, seeds 0..N-1
 ALPHA = 1e-3  # significance level of every chi-square test in this file
 MIN_EXPECTED_COUNT = 5.0  # cells expected below this are pooled
 PROMPT = [0, 3, 1]  # token ids
+# Structured outputs: the tokens' texts, and a regex whose mask depends on the history
+VOCAB_TEXTS = ["(", "0", ")", "1", "x"]
+GRAMMAR = ("regex", r"(\(0*\)|1|x)*")
 NGRAM_PROMPT = [0, 1, 2, 0, 1]  # repeats, so prompt lookup proposes [2, 0] at once
 TARGET_SEED, DRAFT_SEED = 0, 1
 DRAFT_NOISE = 0.5  # draft = target + noise of half each weight's std: acceptance ~0.6
@@ -105,6 +111,9 @@ class Case:
     draft_probs_encoding: str = "fp32"
     max_batch_size: int | None = None  # None: all N requests in one batch
     prompt: tuple[int, ...] = tuple(PROMPT)
+    # With structured_outputs: where the grammar's mask applies, "both" (the engine: the
+    # pipeline target and drafter share), "p" (the target only) or "q" (the drafter only)
+    mask_on: str = "both"
 
 
 @dataclass
@@ -177,10 +186,43 @@ def run_case(case: Case, target, draft, num_samples: int = NUM_SAMPLES):
         for seed in range(num_samples)
     ]
     prompt = list(case.prompt)
+    if "structured_outputs" in case.options:
+        _mask_grammar(engine, case.mask_on)
     outputs = engine.generate([prompt] * num_samples, params)
-    exact = exact_sequence_probs(target, prompt, params[0], case.length)
+    grammars = tiny_grammars() if "structured_outputs" in case.options else None
+    exact = exact_sequence_probs(target, prompt, params[0], case.length, grammars)
     fit = chi_square_fit([tuple(output.token_ids) for output in outputs], exact)
     return outputs, fit
+
+
+@cache
+def tiny_grammars() -> Grammars:
+    return Grammars.for_vocab(VOCAB_TEXTS)
+
+
+def _mask_grammar(engine: Engine, mask_on: str) -> None:
+    """The grammar's mask on p and q (the engine as it is), on p only, or on q only."""
+    engine.grammars = tiny_grammars
+    if mask_on == "both":
+        return
+
+    def pipeline(request, masked: bool) -> LogitsPipeline:
+        grammars = tiny_grammars() if masked else None
+        return LogitsPipeline(request.params, VOCAB_SIZE, request.prompt_token_ids, [], grammars)
+
+    make_request, make_draft_request = engine._make_request, engine._draft_request
+
+    def target_request(*args):
+        request = make_request(*args)
+        request.pipeline = pipeline(request, masked=mask_on == "p")
+        return request
+
+    def draft_request(request, k):
+        ask = make_draft_request(request, k)
+        ask.pipeline = pipeline(request, masked=mask_on == "q")
+        return ask
+
+    engine._make_request, engine._draft_request = target_request, draft_request
 
 
 def _pooled_metrics(outputs):
@@ -212,6 +254,10 @@ CASES = [
     # Stop id 3 (the likeliest first token) masked at positions 0 and 1, allowed at 2 (where
     # it ends the request with its last token).
     Case("min_tokens", {"min_tokens": 2, "stop_token_ids": [3]}),
+    # A grammar over the five tokens' texts: after "(" only "0" or ")", else "(", "1" or "x"
+    Case("structured_outputs", {"structured_outputs": GRAMMAR}),
+    # the drafter unmasked: rejection sampling corrects any q, so still exact
+    Case("structured_outputs-mask-on-p-only", {"structured_outputs": GRAMMAR}, mask_on="p"),
     Case(
         "combined",
         {"temperature": 0.8, "top_k": 4, "presence_penalty": 0.5, "banned_token_ids": [2]},
@@ -344,6 +390,23 @@ def test_min_tokens_is_seen_by_the_fit(target, draft, generations):
     outputs = generations[case.name]
     wrong_fit = chi_square_fit([tuple(output.token_ids) for output in outputs], wrong)
     assert wrong_fit.p_value < ALPHA, wrong_fit.describe()
+
+
+def test_the_grammar_is_seen_by_the_fit(target, draft, generations):
+    """Negative controls of the structured-outputs case, N = 2000, ALPHA = 0.001: its samples
+    tested against the law without the grammar are rejected, and so are the samples of an
+    engine that masks q only (the target unmasked) against the law with it."""
+    case = next(case for case in CASES if case.name == "structured_outputs")
+    if case.name not in generations:
+        generations[case.name] = run_case(case, target, draft)[0]
+    without = SamplingParams(ignore_eos=True, max_tokens=3)
+    wrong = exact_sequence_probs(target, PROMPT, without, 3)
+    samples = [tuple(output.token_ids) for output in generations[case.name]]
+    wrong_fit = chi_square_fit(samples, wrong)
+    assert wrong_fit.p_value < ALPHA, wrong_fit.describe()
+    q_only = Case("structured_outputs-mask-on-q-only", case.options, mask_on="q")
+    _, q_only_fit = run_case(q_only, target, draft)
+    assert q_only_fit.p_value < ALPHA or q_only_fit.impossible_count > 0, q_only_fit.describe()
 
 
 def test_harness_rejects_a_wrong_oracle(target, draft, base_outputs):

@@ -9,12 +9,15 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from dataclasses import replace
+from functools import cache
 
 import pytest
 import torch
 
 from specray.sampling import LogitsPipeline, SamplingParams, SamplingParamsError
 from specray.sampling.batch_pipeline import BatchLogitsPipeline, SamplingMetadata
+from specray.sampling.grammar import Grammars
 from specray.sampling.top_k import (
     TOPK_CHUNK,
     candidate_width,
@@ -24,6 +27,21 @@ from specray.sampling.top_k import (
 
 NUM_SETS = 320  # random request sets in the equality test
 CPU = torch.device("cpu")
+# Structured outputs over a made-up vocabulary (token i's text from ALPHABET; the last id is
+# the stop token): grammars whose masks depend on the history, one that completes.
+ALPHABET = "0123456789ab() "
+GRAMMARS = [
+    ("regex", r"[0-9ab]*"),
+    ("regex", r"(\(a*\)|b|1)*"),
+    ("choice", '["0a", "ab()", "b"]'),
+    ("json_object", ""),
+]
+
+
+@cache
+def grammars_for(vocab_size: int) -> Grammars:
+    texts = [ALPHABET[i % len(ALPHABET)] * (1 + i // len(ALPHABET) % 3) for i in range(vocab_size)]
+    return Grammars.for_vocab(texts, [vocab_size - 1])
 
 
 def random_params(rng: random.Random, vocab_size: int) -> SamplingParams:
@@ -82,7 +100,11 @@ def random_request_set(rng: random.Random):
         params = random_params(rng, vocab_size)
         prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(1, 6))]
         stop = rng.sample(range(vocab_size), rng.randint(1, min(3, vocab_size - 1) or 1))
-        pipelines.append(LogitsPipeline(params, vocab_size, prompt, stop_token_ids=stop))
+        grammars = None
+        if vocab_size > 2 and not params.min_tokens and rng.random() < 0.15:
+            params = replace(params, structured_outputs=rng.choice(GRAMMARS))
+            grammars = grammars_for(vocab_size)
+        pipelines.append(LogitsPipeline(params, vocab_size, prompt, stop, grammars))
         rows = rng.randint(1, 5)
         logits.append(random_logits(rng, rows, vocab_size))
         outputs.append([rng.randrange(vocab_size) for _ in range(rng.randint(0, 8))])
@@ -116,6 +138,7 @@ def coverage(pipelines, logits) -> Counter:
             "allowed_token_ids",
             "banned_token_ids",
             "min_tokens",
+            "structured_outputs",
         ):
             seen[name] += getattr(params, name) != getattr(defaults, name)
         seen["greedy"] += params.greedy
