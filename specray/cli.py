@@ -112,6 +112,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "figures are the machinery's)",
     )
     bench.add_argument(
+        "--serving",
+        action="store_true",
+        help="the served app's speculation policy (a badly-drafted request first, then the chat "
+        "prompts with speculation on and off) against the in-process engine's best fixed k",
+    )
+    bench.add_argument(
         "--steps",
         metavar="1,4,16",
         help="one target forward (a decode step and a k=4 verification) at these batch sizes: "
@@ -365,6 +371,22 @@ def _bench(args: argparse.Namespace) -> int:
         return _verify_bench(args)
     if args.overhead:
         return _overhead_bench(args)
+    if args.serving:
+        from specray.bench.served_speedup import (
+            ServedSpeedupConfig,
+            format_served_speedup,
+            run_served_speedup_bench,
+        )
+
+        config = ServedSpeedupConfig(
+            target=args.target or "default",
+            draft=args.draft,
+            max_tokens=args.max_tokens,
+            num_prompts=args.num_prompts,
+        )
+        report = run_served_speedup_bench(config)
+        _print_json(json.dumps(report, indent=2) if args.json else format_served_speedup(report))
+        return 0
     if args.tp_memory:
         from specray.bench.tp_memory import format_report, run_tp_memory
 

@@ -17,8 +17,38 @@ def user_turn(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
+PROBE_TOOL_NAME = "specray_probe_tool"  # a tool only template_renders_tools shows a template
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """Whether ``tokenizer``'s chat template shows the model the ``tools`` it is given: a
+    conversation rendered with a probe tool holds the tool's name (SmolLM2's template, for one,
+    ignores tools)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    probe = {
+        "type": "function",
+        "function": {
+            "name": PROBE_TOOL_NAME,
+            "description": "Probe.",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+    try:
+        text = tokenizer.apply_chat_template(
+            user_turn("Hi"), tools=[probe], add_generation_prompt=True, tokenize=False
+        )
+    except Exception:  # a template may refuse tools its own way (jinja errors, TypeError)
+        return False
+    return isinstance(text, str) and PROBE_TOOL_NAME in text
+
+
 def prompt_token_ids(
-    tokenizer, prompt: str | Sequence[Mapping[str, str]], *, use_chat_template: bool
+    tokenizer,
+    prompt: str | Sequence[Mapping[str, str]],
+    *,
+    use_chat_template: bool,
+    tools: Sequence[Mapping] | None = None,
 ) -> list[int]:
     """Token ids of ``prompt`` for ``tokenizer`` (a Hugging Face tokenizer; callers that accept
     ids without one check for it first, each with its own error).
@@ -31,6 +61,8 @@ def prompt_token_ids(
     - text otherwise: the tokenizer's own encoding with its special tokens (a completion).
 
     ``use_chat_template`` concerns text only; chat turns always go through the template.
+    ``tools`` (OpenAI tool objects) go to the template with the turns (check
+    :func:`template_renders_tools` first: many templates ignore them).
     """
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if isinstance(prompt, str):
@@ -41,7 +73,10 @@ def prompt_token_ids(
         raise InvalidRequestError(
             "this model has no chat template: use completions instead", param="messages"
         )
-    encoded = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+    extra = {"tools": [dict(tool) for tool in tools]} if tools else {}
+    encoded = tokenizer.apply_chat_template(
+        list(prompt), add_generation_prompt=True, tokenize=True, **extra
+    )
     if hasattr(encoded, "keys"):  # a BatchEncoding (transformers 5), else a list of ids
         encoded = encoded["input_ids"]
     return list(encoded)

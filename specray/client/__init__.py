@@ -8,6 +8,7 @@
 from specray.client.aio import AsyncClient
 from specray.client.config import ClientConfig
 from specray.client.errors import SpecrayClientError
+from specray.client.requests import StructuredOutputs
 from specray.client.results import Chunk, Completion, ModelInfo, TokenLogprob
 from specray.client.retry import RetryPolicy
 from specray.client.sync import Client
@@ -21,5 +22,6 @@ __all__ = [
     "ModelInfo",
     "RetryPolicy",
     "SpecrayClientError",
+    "StructuredOutputs",
     "TokenLogprob",
 ]

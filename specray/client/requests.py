@@ -4,8 +4,9 @@ INVALID_ARGUMENT message names the parameter and the value."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from specray.client.errors import invalid_argument
 from specray.v1 import generation_pb2 as pb
@@ -29,8 +30,42 @@ SAMPLING_PARAMS = (  # as specray.sampling.SamplingParams
     "logprobs",  # 0..20: each output token's log-probability and that many most likely
     "prompt_logprobs",  # the same for the prompt's tokens
     "logprobs_mode",  # "raw" (the model's, the default) or "processed" (what was drawn from)
+    "structured_outputs",  # (kind, spec): the output follows a grammar (StructuredOutputs)
 )
 REQUEST_OPTIONS = ("stop", "num_speculative_tokens", "speculation", "request_id")
+
+
+class StructuredOutputs(NamedTuple):
+    """The ``structured_outputs`` option: the output follows a grammar. A plain ``(kind, spec)``
+    tuple works as well; the constructors spell the kinds::
+
+        client.generate("A colour as JSON:", structured_outputs=StructuredOutputs.json(schema))
+    """
+
+    kind: str  # "json", "json_object", "regex", "choice" or "grammar"
+    spec: str  # the schema's JSON text, "", the regex, the choices' JSON text, the EBNF
+
+    @classmethod
+    def json(cls, schema: Mapping[str, Any] | str) -> StructuredOutputs:
+        """A JSON schema, as a mapping or its JSON text."""
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def json_object(cls) -> StructuredOutputs:
+        return cls("json_object", "")
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutputs:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> StructuredOutputs:
+        return cls("choice", json.dumps(list(choices)))
+
+    @classmethod
+    def grammar(cls, ebnf: str) -> StructuredOutputs:
+        """EBNF in xgrammar's dialect (``root ::= ...``)."""
+        return cls("grammar", ebnf)
 
 
 def build_request(
@@ -116,5 +151,14 @@ def _set_option(request: pb.GenerateRequest, name: str, value: Any) -> None:
         getattr(request, name).extend(value)
     elif name == "stop":
         request.stop.extend([value] if isinstance(value, str) else value)
+    elif name == "structured_outputs":
+        if (
+            isinstance(value, (str, bytes))
+            or not isinstance(value, Sequence)
+            or len(value) != 2
+            or not all(isinstance(part, str) for part in value)
+        ):
+            raise TypeError("structured_outputs must be (kind, spec), two strings")
+        request.structured_outputs.kind, request.structured_outputs.spec = value
     else:
         setattr(request, name, value)

@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from specray.client.config import PemSource, check_token, read_pem
 from specray.errors import DeadlineExceededError, InvalidRequestError, SpecrayError
-from specray.serve.protocol import GenerateRequest, GenerationBackend
+from specray.serve.protocol import GenerateRequest, GenerationBackend, check_grammar_params
 from specray.v1 import generation_pb2 as pb
 from specray.v1 import generation_pb2_grpc
 
@@ -100,6 +100,10 @@ def request_from_proto(message: pb.GenerateRequest, *, timeout_s: float | None) 
     for name in ("banned_token_ids", "stop_token_ids"):
         if getattr(message, name):
             params[name] = list(getattr(message, name))
+    if message.HasField("structured_outputs"):  # checked by SamplingParams, compiled at admission
+        check_grammar_params(params, "structured_outputs")
+        grammar = message.structured_outputs
+        params["structured_outputs"] = (grammar.kind, grammar.spec)
     return GenerateRequest(
         prompt=prompt,
         prompt_token_ids=prompt_token_ids,
@@ -195,7 +199,10 @@ def _time_remaining_s(context: grpc.aio.ServicerContext) -> float | None:
 # ---- the servicer ---------------------------------------------------------------------------
 async def _abort(context: grpc.aio.ServicerContext, error: SpecrayError) -> None:
     code = getattr(grpc.StatusCode, error.grpc_code, grpc.StatusCode.INTERNAL)
-    await context.abort(code, error.message)
+    message, param = error.message, error.param
+    if param and param not in message:  # a status has no param field: the message names it
+        message = f"{param}: {message}"
+    await context.abort(code, message)
 
 
 def _internal(method: str) -> SpecrayError:

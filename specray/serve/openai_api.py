@@ -309,7 +309,8 @@ def build_http_app(backend: GenerationBackend, *, auth_token: str | None = None)
 
     async def generate(request: Request, parse: Callable[..., ApiCall]) -> Response:
         body = await read_json(request)
-        call = parse(body, (await model_info())["model"])
+        # (off the loop: compiling a structured output's grammar may take a second or more)
+        call = await asyncio.to_thread(parse, body, (await model_info())["model"])
         choices = Choices(backend, call.requests)
         if not call.stream:
             try:

@@ -15,6 +15,10 @@ Log-probabilities, ``echo`` and vLLM's ``prompt_logprobs``:
   counts), from 0 at the choice's first token, streamed or not.
 - ``prompt_logprobs`` (vLLM's, not streamed): per choice on completions, once at the top level
   on chat (every choice has the same prompt), as vLLM places them.
+
+Tool calls (chat with ``tools``): each choice's text goes through a parser of
+:mod:`specray.serve.openai_tools`, which makes the message's ``tool_calls`` (``content`` null
+when the output is the calls) and, streamed, the chunks' ``delta.tool_calls``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from specray.errors import SpecrayError
 from specray.serve.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from specray.serve.openai_schema import ApiCall
+from specray.serve.openai_tools import ToolCallParser, tool_call_parser
 
 
 def merge_speculative(blocks: Sequence[Mapping]) -> dict:
@@ -95,7 +100,14 @@ def response(call: ApiCall, finals: Sequence[Mapping], echoes: Sequence[str] | N
     for index, final in enumerate(finals):
         echo = echoes[index] if echoes is not None else None
         text, entries = _echoed(echo, final["text"], final.get("logprobs"), final)
-        if call.chat:
+        finish_reason = final["finish_reason"]
+        parser = tool_call_parser(call.tools)
+        if parser is not None:
+            parser.push(text)
+            parser.flush()
+            output = {"message": parser.message()}
+            finish_reason = parser.finish_reason(finish_reason)
+        elif call.chat:
             output = {"message": {"role": "assistant", "content": text}}
         else:
             output = {"text": text}
@@ -104,7 +116,7 @@ def response(call: ApiCall, finals: Sequence[Mapping], echoes: Sequence[str] | N
             | output
             | {
                 "logprobs": _logprobs(call, entries, 0),
-                "finish_reason": final["finish_reason"],
+                "finish_reason": finish_reason,
                 "speculative_decoding": final["speculative_decoding"],
             }
         )
@@ -130,21 +142,29 @@ def chunk(
     *,
     logprobs: dict | None = None,
     final: Mapping | None = None,
+    tool_calls: list[dict] | None = None,
+    finish_reason: str | None = None,
 ) -> dict:
-    """One stream chunk for choice ``index``: ``text`` (chat: None = the role opener) and the
-    ``logprobs`` of its tokens, and when ``final`` is given, that choice's finish reason and
-    speculative metrics."""
+    """One stream chunk for choice ``index``: ``text`` (chat: None = the role opener), its
+    ``tool_calls`` deltas and the ``logprobs`` of its tokens, and when ``final`` is given, that
+    choice's finish reason (``finish_reason``, else the final's) and speculative metrics."""
     if call.chat:
-        delta = {"role": "assistant", "content": ""} if text is None else {"content": text}
-        if final is not None and not text:
+        # named and required tool choices: the output is the calls, and content stays null
+        calls_only = call.tools is not None and call.tools.constraint is not None
+        if text is None:
+            delta = {"role": "assistant", "content": None if calls_only else ""}
+        elif text or not (final is not None or tool_calls or calls_only):
+            delta = {"content": text}  # (empty: a chunk that carries logprobs only)
+        else:
             delta = {}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta}
     else:
         choice = {"index": index, "text": text or ""}
-    choice |= {
-        "logprobs": logprobs,
-        "finish_reason": final["finish_reason"] if final is not None else None,
-    }
+    if final is not None:
+        finish_reason = finish_reason or final["finish_reason"]
+    choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
     if final is not None:
         choice["speculative_decoding"] = final["speculative_decoding"]
     out = _envelope(call, f"{call.object}.chunk" if call.chat else call.object)
@@ -164,6 +184,7 @@ class StreamedChoice:
     def __init__(self, call: ApiCall, index: int, echo: str | None = None):
         self.call, self.index = call, index
         self._echo = echo  # None once sent (or without echo)
+        self._tools: ToolCallParser | None = tool_call_parser(call.tools)
         self.sent_chars = 0  # of the generated text
         self.sent_tokens = 0
         self.text_offset = 0  # the next token's: the lengths of the token texts sent
@@ -180,11 +201,26 @@ class StreamedChoice:
         self.sent_chars += len(text)
         text, entries = _echoed(self._echo, text, entries, event)
         self._echo = None
-        if final is None and not text and not entries:
+        tool_calls, finish_reason = [], None
+        if self._tools is not None:
+            text, tool_calls = self._tools.push(text)
+            if final is not None:
+                rest, more = self._tools.flush()
+                text, tool_calls = text + rest, tool_calls + more
+                finish_reason = self._tools.finish_reason(final["finish_reason"])
+        if final is None and not text and not entries and not tool_calls:
             return None
         logprobs = _logprobs(self.call, entries, self.text_offset) if entries else None
         self.text_offset += sum(len(entry["token"]) for entry in entries or ())
-        return chunk(self.call, self.index, text, logprobs=logprobs, final=final)
+        return chunk(
+            self.call,
+            self.index,
+            text,
+            logprobs=logprobs,
+            final=final,
+            tool_calls=tool_calls,
+            finish_reason=finish_reason,
+        )
 
 
 def usage_chunk(call: ApiCall, finals: Sequence[Mapping]) -> dict:

@@ -37,6 +37,8 @@ from specray.errors import InvalidRequestError
 MAX_STOP_STRINGS = 16  # as OpenAI's API caps ``stop`` (4) and vLLM does not: a sane bound
 CHAT_ROLES = ("system", "user", "assistant")
 SPECULATION_MODES = ("auto", "on", "off")
+# A chat call's tool_choice, as the service sees it ("named": a function is named).
+TOOL_CHOICE_MODES = ("none", "auto", "required", "named")
 # Roles other APIs name that mean one of ours: OpenAI's "developer" instructions are the system
 # turn of models without a developer role in their chat template (as vLLM maps them).
 ROLE_ALIASES = {"developer": "system"}
@@ -69,6 +71,11 @@ class GenerateRequest:
     # engine core need not send every round's tokens (stop strings still stream: they are
     # matched here, at the front end).
     stream: bool = True
+    # Chat: OpenAI tool objects, rendered by the chat template where it renders tools, and
+    # the call's tool_choice (TOOL_CHOICE_MODES): "auto" needs such a template (the model
+    # decides), the others constrain the output through params or not at all.
+    tools: tuple[Mapping[str, Any], ...] = ()
+    tool_choice: str = "none"
 
     def __post_init__(self) -> None:
         given = [
@@ -160,6 +167,20 @@ class GenerateRequest:
             raise InvalidRequestError(
                 f"stream must be true or false, got {self.stream!r}", param="stream"
             )
+        if isinstance(self.tools, (str, bytes, Mapping)) or not all(
+            isinstance(tool, Mapping) for tool in self.tools
+        ):
+            raise InvalidRequestError(
+                f"tools must be tool objects, got {self.tools!r}", param="tools"
+            )
+        object.__setattr__(self, "tools", tuple(self.tools))
+        if self.tools and self.messages is None:
+            raise InvalidRequestError("tools are for chat messages only", param="tools")
+        if self.tool_choice not in TOOL_CHOICE_MODES:
+            raise InvalidRequestError(
+                f"tool_choice must be one of {list(TOOL_CHOICE_MODES)}, got {self.tool_choice!r}",
+                param="tool_choice",
+            )
 
     def to_dict(self) -> dict:
         """Plain values only (crosses Ray without pickling specray classes)."""
@@ -178,15 +199,41 @@ class GenerateRequest:
             "timeout_s": self.timeout_s,
             "resume_token_ids": list(self.resume_token_ids),
             "stream": self.stream,
+            "tools": [dict(tool) for tool in self.tools],
+            "tool_choice": self.tool_choice,
         }
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> GenerateRequest:
         values = dict(values)
-        for name in ("prompt_token_ids", "messages", "stop", "resume_token_ids"):
+        for name in ("prompt_token_ids", "messages", "stop", "resume_token_ids", "tools"):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
         return cls(**values)
+
+
+# Sampling options a grammar (structured outputs, a tool choice) is not combined with: they
+# hold off (min_tokens, ignore_eos) the end-of-sequence token that is all a complete grammar
+# allows, or take tokens away at every position (allowed / banned ids), so that the grammar's
+# mask and theirs may leave no token to draw.
+GRAMMAR_EXCLUSIVE_PARAMS = ("min_tokens", "ignore_eos", "allowed_token_ids", "banned_token_ids")
+MAX_SHOWN_CHARS = 60  # of a value quoted in an error
+
+
+def check_grammar_params(params: Mapping[str, Any], grammar: str) -> None:
+    """An InvalidRequestError naming the first of GRAMMAR_EXCLUSIVE_PARAMS set in ``params``
+    together with ``grammar`` (the request field that asked for one)."""
+    for name in GRAMMAR_EXCLUSIVE_PARAMS:
+        value = params.get(name)
+        if value:
+            shown = repr(value)
+            if len(shown) > MAX_SHOWN_CHARS:
+                shown = shown[: MAX_SHOWN_CHARS - 3] + "..."
+            raise InvalidRequestError(
+                f"{name}={shown} cannot be combined with {grammar}: with a grammar it may leave "
+                "no token to draw (a complete grammar allows only the end-of-sequence token)",
+                param=name,
+            )
 
 
 def check_messages(messages) -> list[dict[str, str]]:

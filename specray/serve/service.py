@@ -20,7 +20,7 @@ from specray.engine_core.coordinator import CoordinatorConfig
 from specray.engine_core.streams import StreamDelta
 from specray.errors import InvalidRequestError, RequestCancelledError
 from specray.outputs import RequestOutput
-from specray.prompts import prompt_token_ids
+from specray.prompts import prompt_token_ids, template_renders_tools
 from specray.sampling import SamplingParams, SamplingParamsError
 from specray.sampling.logprobs import TokenLogprob
 from specray.serve.protocol import GenerateRequest
@@ -95,6 +95,7 @@ class CoordinatorService:
         self.model_name, self.draft_name = model_name, draft_name
         self.max_model_len = max_model_len
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (<= vocabulary)
+        self._renders_tools: bool | None = None  # the chat template's (probed on first use)
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -106,8 +107,31 @@ class CoordinatorService:
                 "this model has no tokenizer: send prompt token ids instead of text", param="prompt"
             )
         if request.messages is not None:
-            return prompt_token_ids(self.tokenizer, request.messages, use_chat_template=True)
+            tools = self._template_tools(request)
+            return prompt_token_ids(
+                self.tokenizer, request.messages, use_chat_template=True, tools=tools
+            )
         return prompt_token_ids(self.tokenizer, request.prompt, use_chat_template=False)
+
+    def _template_tools(self, request: GenerateRequest) -> list | None:
+        """The tools to render with the turns: all of them where the chat template renders
+        tools, else none; then tool_choice "auto" (the model decides whether to call one,
+        having been shown none) is refused."""
+        if not request.tools:
+            return None
+        if self._renders_tools is None:
+            self._renders_tools = template_renders_tools(self.tokenizer)
+        if self._renders_tools:
+            return list(request.tools)
+        if request.tool_choice == "auto":
+            raise InvalidRequestError(
+                'tool_choice "auto" (the default with tools) lets the model decide whether to '
+                "call a tool, and this model's chat template does not show it the tools: name "
+                'a function ({"type": "function", "function": {"name": ...}}) or send '
+                '"required" (the output is then constrained to tool calls)',
+                param="tool_choice",
+            )
+        return None
 
     @staticmethod
     def _params(request: GenerateRequest) -> SamplingParams:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecray/v1/generation.proto\x12\nspecray.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specray.v1.ChatMessage\"\x90\x07\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specray.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.specray.v1.ChatMessagesH\x00\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12>\n\nlogit_bias\x18\x0b \x03(\x0b\x32*.specray.v1.GenerateRequest.LogitBiasEntry\x12/\n\x11\x61llowed_token_ids\x18\x0c \x01(\x0b\x32\x14.specray.v1.TokenIds\x12\x18\n\x10\x62\x61nned_token_ids\x18\r \x03(\x05\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x17\n\nmax_tokens\x18\x10 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x11 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x12 \x03(\t\x12#\n\x16num_speculative_tokens\x18\x13 \x01(\rH\x06\x88\x01\x01\x12\x12\n\nrequest_id\x18\x14 \x01(\t\x12\x12\n\nfinal_only\x18\x15 \x01(\x08\x12\x13\n\x0bspeculation\x18\x16 \x01(\t\x12\x12\n\nmin_tokens\x18\x17 \x01(\r\x12\x15\n\x08logprobs\x18\x18 \x01(\rH\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x19 \x01(\rH\x08\x88\x01\x01\x12\x15\n\rlogprobs_mode\x18\x1a \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"c\n\x10GenerateResponse\x12\"\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x11.specray.v1.DeltaH\x00\x12\"\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x11.specray.v1.FinalH\x00\x42\x07\n\x05\x65vent\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x01\"T\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.specray.v1.TokenLogprob\"\x95\x03\n\x05\x46inal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12=\n\x14speculative_decoding\x18\x08 \x01(\x0b\x32\x1f.specray.v1.SpeculativeDecoding\x12\"\n\x15time_to_first_token_s\x18\t \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tlatency_s\x18\n \x01(\x01H\x01\x88\x01\x01\x12*\n\x08logprobs\x18\x0b \x03(\x0b\x32\x18.specray.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x18.specray.v1.TokenLogprobB\x18\n\x16_time_to_first_token_sB\x0c\n\n_latency_s\"\xbe\x01\n\x13SpeculativeDecoding\x12\x12\n\nnum_drafts\x18\x01 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x04\x12#\n\x1bnum_accepted_tokens_per_pos\x18\x04 \x03(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1e\n\x16mean_acceptance_length\x18\x06 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\x8b\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64raft\x18\x04 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\xdb\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.specray.v1.GenerateRequest\x1a\x1c.specray.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.specray.v1.GetModelInfoRequest\x1a\x15.specray.v1.ModelInfo\x12<\n\x05\x41\x62ort\x12\x18.specray.v1.AbortRequest\x1a\x19.specray.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecray/v1/generation.proto\x12\nspecray.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specray.v1.ChatMessage\"\xcb\x07\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.specray.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.specray.v1.ChatMessagesH\x00\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12>\n\nlogit_bias\x18\x0b \x03(\x0b\x32*.specray.v1.GenerateRequest.LogitBiasEntry\x12/\n\x11\x61llowed_token_ids\x18\x0c \x01(\x0b\x32\x14.specray.v1.TokenIds\x12\x18\n\x10\x62\x61nned_token_ids\x18\r \x03(\x05\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x17\n\nmax_tokens\x18\x10 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x11 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x12 \x03(\t\x12#\n\x16num_speculative_tokens\x18\x13 \x01(\rH\x06\x88\x01\x01\x12\x12\n\nrequest_id\x18\x14 \x01(\t\x12\x12\n\nfinal_only\x18\x15 \x01(\x08\x12\x13\n\x0bspeculation\x18\x16 \x01(\t\x12\x12\n\nmin_tokens\x18\x17 \x01(\r\x12\x15\n\x08logprobs\x18\x18 \x01(\rH\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x19 \x01(\rH\x08\x88\x01\x01\x12\x15\n\rlogprobs_mode\x18\x1a \x01(\t\x12\x39\n\x12structured_outputs\x18\x1b \x01(\x0b\x32\x1d.specray.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"/\n\x11StructuredOutputs\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"c\n\x10GenerateResponse\x12\"\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x11.specray.v1.DeltaH\x00\x12\"\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x11.specray.v1.FinalH\x00\x42\x07\n\x05\x65vent\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x01\"T\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.specray.v1.TokenLogprob\"\x95\x03\n\x05\x46inal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12=\n\x14speculative_decoding\x18\x08 \x01(\x0b\x32\x1f.specray.v1.SpeculativeDecoding\x12\"\n\x15time_to_first_token_s\x18\t \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tlatency_s\x18\n \x01(\x01H\x01\x88\x01\x01\x12*\n\x08logprobs\x18\x0b \x03(\x0b\x32\x18.specray.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x18.specray.v1.TokenLogprobB\x18\n\x16_time_to_first_token_sB\x0c\n\n_latency_s\"\xbe\x01\n\x13SpeculativeDecoding\x12\x12\n\nnum_drafts\x18\x01 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x04\x12#\n\x1bnum_accepted_tokens_per_pos\x18\x04 \x03(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1e\n\x16mean_acceptance_length\x18\x06 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\x8b\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64raft\x18\x04 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\xdb\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.specray.v1.GenerateRequest\x1a\x1c.specray.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.specray.v1.GetModelInfoRequest\x1a\x15.specray.v1.ModelInfo\x12<\n\x05\x41\x62ort\x12\x18.specray.v1.AbortRequest\x1a\x19.specray.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,27 +40,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=114
   _globals['_CHATMESSAGES']._serialized_end=171
   _globals['_GENERATEREQUEST']._serialized_start=174
-  _globals['_GENERATEREQUEST']._serialized_end=1086
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=895
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=943
-  _globals['_GENERATERESPONSE']._serialized_start=1088
-  _globals['_GENERATERESPONSE']._serialized_end=1187
-  _globals['_TOKENLOGPROB']._serialized_start=1189
-  _globals['_TOKENLOGPROB']._serialized_end=1297
-  _globals['_DELTA']._serialized_start=1299
-  _globals['_DELTA']._serialized_end=1383
-  _globals['_FINAL']._serialized_start=1386
-  _globals['_FINAL']._serialized_end=1791
-  _globals['_SPECULATIVEDECODING']._serialized_start=1794
-  _globals['_SPECULATIVEDECODING']._serialized_end=1984
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1986
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2007
-  _globals['_MODELINFO']._serialized_start=2010
-  _globals['_MODELINFO']._serialized_end=2149
-  _globals['_ABORTREQUEST']._serialized_start=2151
-  _globals['_ABORTREQUEST']._serialized_end=2185
-  _globals['_ABORTRESPONSE']._serialized_start=2187
-  _globals['_ABORTRESPONSE']._serialized_end=2219
-  _globals['_GENERATION']._serialized_start=2222
-  _globals['_GENERATION']._serialized_end=2441
+  _globals['_GENERATEREQUEST']._serialized_end=1145
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=954
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1002
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1147
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1194
+  _globals['_GENERATERESPONSE']._serialized_start=1196
+  _globals['_GENERATERESPONSE']._serialized_end=1295
+  _globals['_TOKENLOGPROB']._serialized_start=1297
+  _globals['_TOKENLOGPROB']._serialized_end=1405
+  _globals['_DELTA']._serialized_start=1407
+  _globals['_DELTA']._serialized_end=1491
+  _globals['_FINAL']._serialized_start=1494
+  _globals['_FINAL']._serialized_end=1899
+  _globals['_SPECULATIVEDECODING']._serialized_start=1902
+  _globals['_SPECULATIVEDECODING']._serialized_end=2092
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2094
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2115
+  _globals['_MODELINFO']._serialized_start=2118
+  _globals['_MODELINFO']._serialized_end=2257
+  _globals['_ABORTREQUEST']._serialized_start=2259
+  _globals['_ABORTREQUEST']._serialized_end=2293
+  _globals['_ABORTRESPONSE']._serialized_start=2295
+  _globals['_ABORTRESPONSE']._serialized_end=2327
+  _globals['_GENERATION']._serialized_start=2330
+  _globals['_GENERATION']._serialized_end=2549
 # @@protoc_insertion_point(module_scope)

@@ -13,6 +13,113 @@ from __future__ import annotations
 MAX_TOKENS = 4  # per generated case: a case costs milliseconds
 MAX_N = 2
 INT64_MAX = 2**63 - 1
+# Structured outputs: a few usable specs of each kind (a generated schema would mostly be one
+# the grammar library refuses, which the mutated bodies and the unit tests cover).
+SCHEMAS = [
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "integer", "minimum": 0, "maximum": 9},
+    {"type": "object"},
+]
+REGEXES = ["[ab]{1,5}", "(yes|no)", "[0-9]+"]
+GRAMMARS = ['root ::= "a" | "b" "c"?', "root ::= [0-9] [0-9]?"]
+TOOL_NAMES = ["f", "g"]
+
+
+def _one_key(key: str, value: dict) -> dict:
+    """An object with exactly the property ``key``."""
+    properties = {key: value}
+    return {
+        "type": "object",
+        "required": [key],
+        "additionalProperties": False,
+        "properties": properties,
+    }
+
+
+def _structured_properties() -> dict:
+    """response_format, vLLM's structured_outputs and guided_* (both endpoints). Choices are
+    words: a few control characters no token of the tiny pair's vocabulary spells leave a
+    grammar no token to draw, which the engine does not handle yet (test_openai_api's
+    test_a_grammar_the_vocabulary_cannot_spell)."""
+    choice = {
+        "type": "array",
+        "items": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "minItems": 1,
+        "maxItems": 3,
+    }
+    json_schema = {
+        "type": "object",
+        "required": ["name", "schema"],
+        "additionalProperties": False,
+        "properties": {
+            "name": {"enum": ["answer"]},
+            "schema": {"enum": SCHEMAS},
+            "strict": {"type": "boolean"},
+            "description": {"type": "string", "maxLength": 16},
+        },
+    }
+    return {
+        "response_format": {
+            "anyOf": [
+                _one_key("type", {"enum": ["text", "json_object"]}),
+                {
+                    "type": "object",
+                    "required": ["type", "json_schema"],
+                    "additionalProperties": False,
+                    "properties": {"type": {"enum": ["json_schema"]}, "json_schema": json_schema},
+                },
+            ]
+        },
+        "structured_outputs": {
+            "anyOf": [
+                _one_key("json", {"enum": SCHEMAS}),
+                _one_key("regex", {"enum": REGEXES}),
+                _one_key("choice", choice),
+                _one_key("grammar", {"enum": GRAMMARS}),
+                _one_key("json_object", {"enum": [True]}),
+            ]
+        },
+        "guided_json": {"enum": SCHEMAS},
+        "guided_regex": {"enum": REGEXES},
+        "guided_choice": choice,
+        "guided_grammar": {"enum": GRAMMARS},
+    }
+
+
+def _tool_properties() -> dict:
+    """Chat's tools, tool_choice and parallel_tool_calls ("auto" is a 400 with a template that
+    does not render tools, as the tiny pair's)."""
+    function = {
+        "type": "object",
+        "required": ["name"],
+        "additionalProperties": False,
+        "properties": {
+            "name": {"enum": TOOL_NAMES},
+            "description": {"type": "string", "maxLength": 16},
+            "parameters": {"enum": SCHEMAS[:1] + SCHEMAS[2:]},
+            "strict": {"type": "boolean"},
+        },
+    }
+    tool = {
+        "type": "object",
+        "required": ["type", "function"],
+        "additionalProperties": False,
+        "properties": {"type": {"enum": ["function"]}, "function": function},
+    }
+    named = {
+        "type": "object",
+        "required": ["type", "function"],
+        "additionalProperties": False,
+        "properties": {
+            "type": {"enum": ["function"]},
+            "function": _one_key("name", {"enum": TOOL_NAMES}),
+        },
+    }
+    return {
+        "tools": {"type": "array", "items": tool, "maxItems": 2},
+        "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, named]},
+        "parallel_tool_calls": {"type": "boolean"},
+    }
 
 
 def _sampling_properties(vocab_size: int) -> dict:
@@ -92,6 +199,7 @@ def completion_schema(vocab_size: int, model: str) -> dict:
             "best_of": {"enum": [1]},
             "suffix": {"type": "null"},
             **_sampling_properties(vocab_size),
+            **_structured_properties(),
         },
     }
 
@@ -127,15 +235,9 @@ def chat_schema(vocab_size: int, model: str) -> dict:
             "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS},
             "logprobs": {"type": "boolean"},
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},  # with logprobs
-            "response_format": {
-                "type": "object",
-                "required": ["type"],
-                "additionalProperties": False,
-                "properties": {"type": {"enum": ["text"]}},
-            },
-            "tools": {"type": "array", "items": {"type": "null"}, "maxItems": 0},
-            "tool_choice": {"enum": ["none", "auto"]},
             **_sampling_properties(vocab_size),
+            **_structured_properties(),
+            **_tool_properties(),
         },
     }
 

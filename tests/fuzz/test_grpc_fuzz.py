@@ -136,8 +136,14 @@ SAMPLING_DOUBLES = {
 CORRUPTIBLE = (
     "text", "token_ids", "messages", "no prompt", "double", "top_k", "logit_bias",
     "allowed_token_ids", "banned_token_ids", "stop_token_ids", "max_tokens", "seed", "stop",
-    "num_speculative_tokens", "request_id", "logprobs",
+    "num_speculative_tokens", "request_id", "logprobs", "structured_outputs",
 )  # fmt: skip
+GRAMMARS = [("regex", "[ab]{1,3}"), ("choice", '["yes", "no"]'), ("json", '{"type": "boolean"}')]
+BAD_GRAMMARS = [
+    ("", ""), ("yaml", "a: 1"), ("regex", ""), ("regex", "[ab"), ("regex", "(a)\\1"),
+    ("choice", "[]"), ("choice", "yes"), ("json", "{"), ("json", '{"type": "nope"}'),
+    ("json", "false"), ("grammar", "root ::= missing"), ("json_object", "x" * 70_000),
+]  # fmt: skip
 
 
 def corrupt(message: pb.GenerateRequest, field: str, draw) -> None:
@@ -177,6 +183,9 @@ def corrupt(message: pb.GenerateRequest, field: str, draw) -> None:
         message.num_speculative_tokens = draw(st.sampled_from([0, 33, 2**32 - 1]))
     elif field == "request_id":
         message.request_id = draw(st.sampled_from(["r" * 10_000, "\x00", " "]))
+    elif field == "structured_outputs":
+        kind, spec = draw(st.sampled_from(BAD_GRAMMARS) | st.tuples(st.text(max_size=8), st.text()))
+        message.structured_outputs.kind, message.structured_outputs.spec = kind, spec
     elif field == "logprobs":
         name = draw(st.sampled_from(["logprobs", "prompt_logprobs"]))
         setattr(message, name, draw(st.sampled_from([21, 2**32 - 1])))
@@ -217,6 +226,9 @@ def generate_requests(draw) -> pb.GenerateRequest:
         message.logprobs_mode = draw(st.sampled_from(["", "raw", "processed"]))
     if draw(st.integers(0, 3)) == 0:
         message.prompt_logprobs = draw(st.integers(0, 20))
+    if draw(st.integers(0, 3)) == 0:
+        kind, spec = draw(st.sampled_from(GRAMMARS))
+        message.structured_outputs.kind, message.structured_outputs.spec = kind, spec
     for field in draw(st.lists(st.sampled_from(CORRUPTIBLE), max_size=2, unique=True)):
         corrupt(message, field, draw)
     return message

@@ -136,7 +136,10 @@ def check(result: HttpResult, tally, *, method: str = "POST", body=None, raw: by
         if "choices" in payload:
             assert payload["choices"], context
             for choice in payload["choices"]:
-                assert choice["finish_reason"] in ("stop", "length"), context
+                assert choice["finish_reason"] in ("stop", "length", "tool_calls"), context
+                for call in (choice.get("message") or {}).get("tool_calls") or ():
+                    assert call["id"].startswith("call_") and call["type"] == "function", context
+                    assert isinstance(call["function"]["arguments"], str), context
 
 
 def post(served, path: str, raw: bytes, *, content_type: str | None = "application/json"):

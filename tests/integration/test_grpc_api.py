@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
+import re
 import threading
 import time
 
@@ -20,7 +22,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import specray
-from specray.client import AsyncClient, Client, SpecrayClientError, TokenLogprob
+from specray.client import (
+    AsyncClient,
+    Client,
+    SpecrayClientError,
+    StructuredOutputs,
+    TokenLogprob,
+)
 from specray.engine_core.coordinator import CoordinatorConfig
 from specray.serve.grpc_api import REFLECTION_V1, SERVICE_NAME, TLSConfig, start_grpc_server
 from specray.serve.service import LocalBackend
@@ -320,6 +328,32 @@ def test_logprobs_streamed_and_final(served):
     assert [item.token_id for item in final.prompt_logprobs[1:]] == PROMPT_IDS[1:]
 
 
+def test_structured_outputs(served):
+    """``structured_outputs`` (kind, spec), typed by the client library's StructuredOutputs or
+    a plain pair: every output follows its grammar and ends "stop", streamed or not."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+        "required": ["ok", "n"],
+    }
+    grammars = [
+        (StructuredOutputs.regex("[ab]{1,5}"), lambda text: re.fullmatch("[ab]{1,5}", text)),
+        (StructuredOutputs.choice(["yes", "no"]), lambda text: text in ("yes", "no")),
+        (StructuredOutputs.json(schema), lambda text: set(json.loads(text)) == {"ok", "n"}),
+        (("grammar", 'root ::= "x" [0-9]'), lambda text: re.fullmatch("x[0-9]", text)),
+    ]
+    fields = {"messages": CHAT, "max_tokens": 40, "temperature": 1.0}
+    with Client(served.target) as client:
+        for grammar, follows in grammars:
+            for seed in range(3):
+                completion = client.generate(**fields, seed=seed, structured_outputs=grammar)
+                assert completion.finish_reason == "stop" and follows(completion.text)
+            chunks = list(client.stream(**fields, structured_outputs=grammar))
+            text = "".join(chunk.text for chunk in chunks)
+            assert text == chunks[-1].completion.text and follows(text)
+    assert StructuredOutputs.json_object() == ("json_object", "")
+
+
 def test_model_info_health_and_reflection(served, tiny_chat):
     with Client(served.target) as client:
         info = client.model_info()
@@ -420,6 +454,20 @@ def test_client_deadline_is_deadline_exceeded_and_frees_the_request(served):
         ({"prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
         ({"prompt": "hi", "logprobs": 1, "logprobs_mode": "bogus"}, "logprobs_mode"),
+        ({"prompt": "hi", "structured_outputs": ("yaml", "")}, "structured_outputs"),
+        ({"prompt": "hi", "structured_outputs": ("regex", "[ab")}, "structured_outputs"),
+        ({"prompt": "hi", "structured_outputs": ("choice", "[]")}, "structured_outputs"),
+        ({"prompt": "hi", "structured_outputs": ("json", "{")}, "structured_outputs"),
+        ({"prompt": "hi", "structured_outputs": ("regex", "a"), "min_tokens": 2}, "min_tokens"),
+        ({"prompt": "hi", "structured_outputs": ("regex", "a"), "ignore_eos": True}, "ignore_eos"),
+        (
+            {"prompt": "hi", "structured_outputs": ("regex", "a"), "banned_token_ids": [2]},
+            "banned_token_ids",
+        ),
+        (
+            {"prompt": "hi", "structured_outputs": ("regex", "a"), "allowed_token_ids": [0]},
+            "allowed_token_ids",
+        ),
     ],
 )
 def test_invalid_input_is_invalid_argument_naming_the_parameter(served, request_kwargs, named):

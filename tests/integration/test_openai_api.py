@@ -13,12 +13,14 @@ import asyncio
 import itertools
 import json
 import math
+import re
 import socket
 import threading
 import time
 from dataclasses import dataclass
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import uvicorn
@@ -710,6 +712,404 @@ def test_stop_string_logprobs_end_with_the_stop(served, client, engine):
     _assert_same_lists(_streamed_lists(events), whole)
 
 
+# ---- structured outputs and tool calls -------------------------------------------------------
+# Bounded grammars: the tiny random model's free text runs on, so every constrained output
+# here ends (finish_reason "stop") well within STRUCTURED_MAX_TOKENS.
+ANSWER = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+        "sure": {"type": "boolean"},
+    },
+    "required": ["colour", "count", "sure"],
+    "additionalProperties": False,
+}
+REGEX, CHOICES, GRAMMAR = "[ab]{1,5}", ["yes", "no", "maybe"], 'root ::= "x" [0-9] [0-9]?'
+GRAMMAR_AS_REGEX = "x[0-9][0-9]?"
+STRUCTURED_MAX_TOKENS = 40
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time now."}},
+]
+TOOL_SCHEMAS = {"get_weather": WEATHER, "get_time": {"type": "object", "maxProperties": 0}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _is_answer(text: str) -> bool:
+    jsonschema.validate(json.loads(text), ANSWER)
+    return True
+
+
+def _is_object(text: str) -> bool:
+    return isinstance(json.loads(text), dict)
+
+
+def _in_regex(text: str) -> bool:
+    return re.fullmatch(REGEX, text) is not None
+
+
+def _in_choices(text: str) -> bool:
+    return text in CHOICES
+
+
+def _in_grammar(text: str) -> bool:
+    return re.fullmatch(GRAMMAR_AS_REGEX, text) is not None
+
+
+STRUCTURED_KINDS = {  # request fields -> the check every whole output passes
+    "response_format json_schema": (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": ANSWER, "strict": True},
+            }
+        },
+        _is_answer,
+    ),
+    "response_format json_object": ({"response_format": {"type": "json_object"}}, _is_object),
+    "structured_outputs json": ({"structured_outputs": {"json": ANSWER}}, _is_answer),
+    "structured_outputs json text": (
+        {"structured_outputs": {"json": json.dumps(ANSWER)}},
+        _is_answer,
+    ),
+    "structured_outputs json_object": ({"structured_outputs": {"json_object": True}}, _is_object),
+    "structured_outputs regex": ({"structured_outputs": {"regex": REGEX}}, _in_regex),
+    "structured_outputs choice": ({"structured_outputs": {"choice": CHOICES}}, _in_choices),
+    "structured_outputs grammar": ({"structured_outputs": {"grammar": GRAMMAR}}, _in_grammar),
+    "guided_json": ({"guided_json": ANSWER}, _is_answer),
+    "guided_regex": ({"guided_regex": REGEX}, _in_regex),
+    "guided_choice": ({"guided_choice": CHOICES}, _in_choices),
+    "guided_grammar": ({"guided_grammar": GRAMMAR}, _in_grammar),
+}
+
+
+def _outputs(client, endpoint: str, fields: dict, *, stream: bool, n: int = 2, **options):
+    """Each choice's (text, finish_reason) through the official client (chat's
+    response_format as its own argument, the rest as extra fields)."""
+    fields = dict(fields)
+    common = {"model": MODEL, "n": n, "stream": stream, "temperature": 1.0, "seed": 5}
+    common |= {"max_tokens": STRUCTURED_MAX_TOKENS} | options
+    if endpoint == "chat":
+        if "response_format" in fields:
+            common["response_format"] = fields.pop("response_format")
+        messages = [{"role": "user", "content": QUESTION}]
+        reply = client.chat.completions.create(messages=messages, extra_body=fields, **common)
+    else:
+        reply = client.completions.create(prompt=PROMPT, extra_body=fields, **common)
+    if not stream:
+        texts = [c.message.content if endpoint == "chat" else c.text for c in reply.choices]
+        return list(zip(texts, [c.finish_reason for c in reply.choices], strict=True))
+    texts, reasons = [""] * n, [None] * n
+    for piece in reply:
+        for choice in piece.choices:
+            texts[choice.index] += (
+                (choice.delta.content or "") if endpoint == "chat" else choice.text
+            )
+            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    return list(zip(texts, reasons, strict=True))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("kind", STRUCTURED_KINDS)
+def test_structured_outputs_of_each_kind(served, client, kind, endpoint, stream):
+    """Every spelling of every kind, on both endpoints, streamed and not: each output is whole
+    and follows its grammar (a JSON object from the random model may run past the limit)."""
+    fields, follows = STRUCTURED_KINDS[kind]
+    for text, reason in _outputs(client, endpoint, fields, stream=stream):
+        if reason == "length" and "json_object" in kind:
+            assert text.startswith("{")  # any object: its strings may run on
+            continue
+        assert reason == "stop" and follows(text), (text, reason)
+
+
+def test_structured_outputs_stream_as_they_complete(served, client):
+    """Without speculation a seeded request replays exactly: the stream's text is the
+    non-streamed one."""
+    fields = {"structured_outputs": {"json": ANSWER}} | SEEDED
+    for endpoint in ("chat", "completions"):
+        whole = _outputs(client, endpoint, fields, stream=False, n=3)
+        assert _outputs(client, endpoint, fields, stream=True, n=3) == whole
+
+
+def _tool_reply(client, tool_choice, *, stream: bool, n: int = 3, **options):
+    messages = [{"role": "user", "content": "What is the weather in Rome for 3 days?"}]
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice=tool_choice, n=n,
+        stream=stream, temperature=1.0, seed=3, max_tokens=150, **options,
+    )  # fmt: skip
+
+
+def _streamed_calls(chunks, n: int) -> tuple[list[list[dict]], list[str | None], list]:
+    """Per choice: its calls merged from the deltas (as clients merge them by index), its
+    finish reason and the content pieces it sent."""
+    calls, reasons, contents = [{} for _ in range(n)], [None] * n, [[] for _ in range(n)]
+    for piece in chunks:
+        for choice in piece.choices:
+            delta = choice.delta
+            if delta.content is not None:
+                contents[choice.index].append(delta.content)
+            for tool in delta.tool_calls or ():
+                call = calls[choice.index].setdefault(tool.index, {"arguments": ""})
+                if tool.id is not None:  # the first delta of a call
+                    assert tool.type == "function" and "id" not in call
+                    call |= {"id": tool.id, "name": tool.function.name}
+                call["arguments"] += tool.function.arguments or ""
+            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    merged = [[by_index[i] for i in sorted(by_index)] for by_index in calls]
+    return merged, reasons, contents
+
+
+def _valid_calls(calls) -> None:
+    for call in calls:
+        assert call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["arguments"]), TOOL_SCHEMAS[call["name"]])
+
+
+def _calls(message) -> list[dict]:
+    return [
+        {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+        for c in message.tool_calls
+    ]
+
+
+def test_named_tool_choice_calls_that_function(served, client):
+    """The output is the named function's arguments, constrained by its parameters schema:
+    one tool call, content null, finish_reason "tool_calls"; streamed as vLLM streams it
+    (the first delta names the call, the next ones carry its arguments)."""
+    reply = _tool_reply(client, NAMED, stream=False, extra_body=SEEDED)
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = _calls(choice.message)
+        assert call["name"] == "get_weather" and choice.message.tool_calls[0].type == "function"
+        _valid_calls([call])
+    chunks = list(_tool_reply(client, NAMED, stream=True, extra_body=SEEDED))
+    streamed, reasons, contents = _streamed_calls(chunks, 3)
+    assert reasons == ["tool_calls"] * 3 and all(not "".join(c) for c in contents)
+    for calls, choice in zip(streamed, reply.choices, strict=True):
+        [call], [whole] = calls, _calls(choice.message)
+        assert (call["name"], call["arguments"]) == (whole["name"], whole["arguments"])
+    openers = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.role]
+    assert len(openers) == 3 and all(o.content is None for o in openers)
+    without_parameters = {"type": "function", "function": {"name": "get_time"}}
+    reply = _tool_reply(client, without_parameters, stream=False, n=1)
+    assert _calls(reply.choices[0].message)[0]["arguments"] == "{}"
+
+
+def test_required_tool_choice_makes_one_or_more_calls(served, client):
+    """ "required": a JSON array of {name, parameters} (one schema, anyOf the tools), parsed
+    into the tool calls; one at most with parallel_tool_calls false. Whole outputs end
+    "tool_calls"; a cut one ("length") has whole calls but for its last."""
+    reply = _tool_reply(client, "required", stream=False, n=4, extra_body=SEEDED)
+    reasons = [choice.finish_reason for choice in reply.choices]
+    assert set(reasons) <= {"tool_calls", "length"} and "tool_calls" in reasons
+    assert max(len(choice.message.tool_calls) for choice in reply.choices) > 1  # (seed 3)
+    for choice in reply.choices:
+        calls = _calls(choice.message)
+        assert calls and choice.message.content is None
+        _valid_calls(calls if choice.finish_reason == "tool_calls" else calls[:-1])
+    assert len({c["id"] for choice in reply.choices for c in _calls(choice.message)}) == sum(
+        len(choice.message.tool_calls) for choice in reply.choices
+    )
+    streamed, stream_reasons, _ = _streamed_calls(
+        _tool_reply(client, "required", stream=True, n=4, extra_body=SEEDED), 4
+    )
+    assert stream_reasons == reasons
+    for calls, choice in zip(streamed, reply.choices, strict=True):
+        whole = _calls(choice.message)
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c["name"], c["arguments"]) for c in whole
+        ]
+    single = _tool_reply(client, "required", stream=False, n=4, parallel_tool_calls=False)
+    for choice in single.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        _valid_calls(_calls(choice.message))
+
+
+def test_auto_tool_choice_needs_a_template_that_shows_tools(served, client):
+    """The bundled template ignores tools: the model could not know them, so "auto" (also the
+    default with tools) is a 400 naming tool_choice; "none" shows them to no one."""
+    for options in ({"tool_choice": "auto"}, {}):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "tools": TOOLS}
+        reply = httpx.post(f"{served.url()}/v1/chat/completions", json=body | options, timeout=30)
+        assert "template" in _assert_error(reply, 400, "tool_choice")["message"]
+    messages = [{"role": "user", "content": QUESTION}]
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
+    none = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        tools=TOOLS,
+        tool_choice="none",
+    )
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert none.choices[0].message.tool_calls is None
+
+
+# A chat template that shows the model its tools (as Qwen's and SmolLM3's do, much shortened).
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool.function.name }}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% for message in messages %}<|im_start|>"
+    "{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_auto_tool_choice_where_the_template_shows_tools(chat_pair, tmp_path):
+    """With a template that renders tools, "auto" is served: the tools reach the prompt (in
+    every mode), the model decides (this random one writes text: no call), and "required"
+    still constrains the output to calls."""
+    import shutil
+
+    from specray.models.loading import load_tokenizer
+
+    target = tmp_path / "target"
+    shutil.copytree(chat_pair[0], target)
+    tokenizer = load_tokenizer(target)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.save_pretrained(target)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "seed": 1}
+
+    async def post_all() -> list[dict]:
+        backend = await LocalBackend.start(str(target), None, model_name=MODEL)
+        try:
+            transport = httpx.ASGITransport(app=build_http_app(backend))
+            async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+                bodies = [
+                    chat | {"max_tokens": 8},
+                    chat | {"max_tokens": 8, "tools": TOOLS},  # "auto"
+                    chat | {"max_tokens": 80, "tools": TOOLS, "tool_choice": "required"},
+                ]
+                replies = [await client.post("/v1/chat/completions", json=b) for b in bodies]
+        finally:
+            await backend.stop(drain=False)
+        assert [reply.status_code for reply in replies] == [200] * 3, replies[-1].text
+        return [reply.json() for reply in replies]
+
+    plain, auto, required = asyncio.run(post_all())
+    assert auto["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]  # the tools shown
+    [choice] = auto["choices"]
+    assert choice["finish_reason"] in ("stop", "length") and choice["message"]["content"]
+    assert "tool_calls" not in choice["message"]
+    [choice] = required["choices"]
+    assert choice["message"]["tool_calls"] and choice["message"]["content"] is None
+    assert required["usage"]["prompt_tokens"] == auto["usage"]["prompt_tokens"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine: a grammar whose mask leaves no token (here at the first position: no token "
+    "spells U+001D) fails the whole target group (503, its other requests too) and leaves the "
+    "request held in the worker, instead of failing the request (reported)",
+)
+def test_a_grammar_the_vocabulary_cannot_spell(chat_pair):
+    """On a backend of its own: the failure it shows would leak into the shared one."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "guided_choice": ["\u001d"]}
+
+    async def post() -> httpx.Response:
+        backend = await LocalBackend.start(chat_pair[0], None, model_name=MODEL)
+        try:
+            transport = httpx.ASGITransport(app=build_http_app(backend))
+            async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+                return await client.post("/v1/completions", json=body, timeout=30)
+        finally:
+            await backend.stop(drain=False)
+
+    reply = asyncio.run(post())
+    assert reply.status_code < 500, reply.text
+
+
+BAD_STRUCTURED = [
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {"type": "nope"}},
+            }
+        },
+        "response_format.json_schema.schema",
+    ),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "[ab"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regex": "a", "json_object": True}}, "structured_outputs"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"guided_json": '{"type": '}, "guided_json"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
+    ({"guided_choice": "yes"}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a+"}, "min_tokens": 2}, "min_tokens"),
+    # a grammar's mask with these may leave no token to draw
+    ({"guided_choice": ["yes", "no"], "ignore_eos": True}, "ignore_eos"),
+    ({"response_format": {"type": "json_object"}, "allowed_token_ids": [0]}, "allowed_token_ids"),
+]
+BAD_TOOLS = [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto
+    (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice.function.name",
+    ),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    (
+        {
+            "tools": [{"type": "function", "function": {"parameters": {}}}],
+            "tool_choice": "required",
+        },
+        "tools[0].function.name",
+    ),
+    (
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
+            ],
+            "tool_choice": "required",
+        },
+        "tools[0].function.parameters",
+    ),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools[0].type"),
+    (
+        {"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
+    (
+        {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "yes"},
+        "parallel_tool_calls",
+    ),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("change", "param"), BAD_STRUCTURED + BAD_TOOLS)
+def test_bad_structured_outputs_and_tools(served, change, param, stream):
+    """Each is a 400 naming the user's own field, on chat; on completions too when it is not
+    about tools (which completions do not take)."""
+    body = {"model": MODEL, "max_tokens": 8, "stream": stream} | change
+    chat = body | {"messages": [{"role": "user", "content": "hi"}]}
+    reply = httpx.post(f"{served.url()}/v1/chat/completions", json=chat, timeout=30)
+    assert param in _assert_error(reply, 400, param)["message"]
+    if "tools" not in change:
+        reply = httpx.post(
+            f"{served.url()}/v1/completions", json=body | {"prompt": "hi"}, timeout=30
+        )
+        _assert_error(reply, 400, param)
+
+
 # ---- errors ------------------------------------------------------------------------------
 BAD_COMPLETIONS = [
     ({"temperature": -1}, 400, "temperature"),
@@ -774,9 +1174,7 @@ BAD_CHATS = [
     ({"logprobs": True, "logprobs_mode": "bogus"}, "logprobs_mode"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # as vLLM
     ({"max_completion_tokens": "many"}, "max_completion_tokens"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": "text"}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tools": "none"}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
 ]

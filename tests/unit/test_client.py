@@ -5,6 +5,7 @@ torch."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from specray.client import (
     Completion,
     RetryPolicy,
     SpecrayClientError,
+    StructuredOutputs,
     TokenLogprob,
 )
 from specray.client.requests import build_request
@@ -207,6 +209,25 @@ def test_logprob_options_are_sent_and_results_typed():
     assert unasked.logprobs is None and unasked.prompt_logprobs is None
     delta = pb.Delta(text="a", token_ids=[5], logprobs=[entry])
     assert Chunk.from_proto(pb.GenerateResponse(delta=delta)).logprobs == completion.logprobs
+
+
+def test_structured_outputs_are_sent_as_a_pair():
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    request = build_request(
+        "hi", None, None, {"structured_outputs": StructuredOutputs.json(schema)}
+    )
+    assert request.HasField("structured_outputs")
+    assert (request.structured_outputs.kind, json.loads(request.structured_outputs.spec)) == (
+        "json",
+        schema,
+    )
+    plain = build_request("hi", None, None, {"structured_outputs": ("regex", "[ab]+")})
+    assert (plain.structured_outputs.kind, plain.structured_outputs.spec) == ("regex", "[ab]+")
+    assert StructuredOutputs.choice(["a", "b"]) == ("choice", '["a", "b"]')
+    assert not build_request("hi", None, None, {}).HasField("structured_outputs")
+    for bad in ("regex", ("regex",), ("regex", 3), {"regex": "a"}):
+        with pytest.raises(SpecrayClientError, match="structured_outputs"):
+            build_request("hi", None, None, {"structured_outputs": bad})
 
 
 @pytest.mark.parametrize(
