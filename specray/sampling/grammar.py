@@ -161,14 +161,14 @@ class GrammarMatcher:
             self._accepted = same
         del held[same:]
         for token_id in history[len(held) :]:
-            matcher = self._matcher  # (past a stop token nothing is accepted: drafts ahead)
-            if (
-                not self._refused
-                and not matcher.is_terminated()
-                and matcher.accept_token(int(token_id))
-            ):
-                self._accepted += 1
-            held.append(int(token_id))
+            self._push(int(token_id))
+
+    def _push(self, token_id: int) -> None:
+        """Follow one more token (past a stop token or a refusal nothing is accepted)."""
+        matcher = self._matcher
+        if not self._refused and not matcher.is_terminated() and matcher.accept_token(token_id):
+            self._accepted += 1
+        self._tokens.append(token_id)
 
     def masks(
         self, history: Sequence[int], candidates: Sequence[int], num_rows: int
@@ -179,7 +179,7 @@ class GrammarMatcher:
         self._follow(history)
         for row in range(num_rows):
             if row:
-                self._follow([*history, *candidates[:row]])
+                self._push(int(candidates[row - 1]))
             if self._refused or self._matcher.is_terminated():
                 out[row] = out[row - 1] if row else -1  # unread: the position cannot occur
             else:
