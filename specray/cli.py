@@ -96,7 +96,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft", default="default", help="drafter for --concurrency")
     bench.add_argument("--requests-per-client", type=int, default=2, help="for --concurrency")
     bench.add_argument(
-        "--repeats", type=int, default=2, help="for --overhead: turns of every path (summed)"
+        "--repeats",
+        type=int,
+        default=2,
+        help="for --overhead and --serving: turns of every path (summed)",
     )
     bench.add_argument(
         "--draft-deadline",
@@ -160,7 +163,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--verify-k", type=int, default=None, help="for --verify: draft tokens (or --k N; 4)"
     )
     bench.add_argument("--encoding", default="top64", help="for --verify: q on the wire")
-    bench.add_argument("--threads", type=int, default=1, help="for --verify: torch threads")
+    bench.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per process, for --verify and --serving (both paths)",
+    )
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per configuration")
 
@@ -383,6 +391,8 @@ def _bench(args: argparse.Namespace) -> int:
             draft=args.draft,
             max_tokens=args.max_tokens,
             num_prompts=args.num_prompts,
+            num_threads=args.threads,
+            repeats=args.repeats,
         )
         report = run_served_speedup_bench(config)
         _print_json(json.dumps(report, indent=2) if args.json else format_served_speedup(report))

@@ -54,7 +54,9 @@ class RequestState:
     random: KeyedRandom
     stop_token_ids: frozenset[int]
     output_token_ids: list[int] = field(default_factory=list)
+    # "stop" / "length"; "error" with ``error`` saying why (nothing after it is committed)
     finish_reason: str | None = None
+    error: str | None = None
     metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
     # With params.logprobs: one per output token. With params.prompt_logprobs: prompt
     # positions 1 .. len(prompt) - 1 as far as they are cached (position 0 has none).
@@ -151,7 +153,27 @@ class RequestState:
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_token_ids)
 
-    def commit(self, token_ids: Sequence[int]) -> None:
+    def commit_verified(self, token_ids: list[int]) -> list[int]:
+        """Commit ``token_ids``, drawn from rows 0.. of this request's last verification, up
+        to the row where its grammar allows no token (:attr:`GrammarMatcher.dead_end`): a token
+        drawn there would break the grammar, so the request ends with an error instead.
+        Returns the tokens given to :meth:`commit`."""
+        grammar = self.pipeline.grammar
+        dead_end = grammar.dead_end if grammar is not None else None
+        if dead_end is None or len(token_ids) <= dead_end:
+            self.commit(token_ids)
+            return token_ids
+        kept = token_ids[:dead_end]
+        error = (
+            f"structured_outputs: after {len(self.output_token_ids) + len(kept)} output tokens"
+            " the grammar allows no token of this model's vocabulary"
+        )
+        self.commit(kept, error=error)
+        return kept
+
+    def commit(self, token_ids: Sequence[int], *, error: str | None = None) -> None:
+        """Append ``token_ids`` (up to a stop token or the length); ``error``: then the request
+        ends with finish_reason "error" unless it ended on its own."""
         for token_id in token_ids:
             self.output_token_ids.append(token_id)
             if token_id in self.stop_token_ids:
@@ -160,6 +182,8 @@ class RequestState:
             if self.remaining == 0:
                 self.finish_reason = "length"
                 return
+        if error is not None:
+            self.finish_reason, self.error = "error", error
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
@@ -320,11 +344,11 @@ class TargetCore:
         results = self._verify(requests, blocks, target_rows)
         self.forward_s += timer.seconds()  # the results' copy waited for the device already
         before = [len(request.output_token_ids) for request in requests]
-        for request, committed in zip(requests, results, strict=True):
+        for index, (request, committed) in enumerate(zip(requests, results, strict=True)):
             num_draft = len(blocks[request.request_id][0])
             num_accepted = len(committed) - 1
             request.metrics.record(num_draft, num_accepted)
-            request.commit(committed)
+            results[index] = request.commit_verified(committed)
             # The cache got [pending, d_1..d_n]; keep pending and the accepted drafts.
             self.runner.rollback(request.request_id, num_draft - num_accepted)
             if self.keep_features:  # and their h: the committed positions now cached

@@ -330,6 +330,9 @@ class Engine:
                     active = [request for request in active if not request.finish_reason]
         finally:
             self._release([request.request_id for request in active])
+        for index, request in enumerate(requests):
+            if request.error is not None:  # its grammar wanted a token the vocabulary lacks
+                raise EngineInputError(f"prompt {index}: {request.error}")
         return [request.to_output(self.tokenizer) for request in requests]
 
     def _release(self, request_ids: list[Hashable]) -> None:

@@ -37,7 +37,7 @@ import msgpack
 from specray.sampling.logprobs import TokenLogprob
 from specray.sampling.params import SamplingParams
 
-PROTOCOL_VERSION = 2  # 2: logprobs in VerifyResult and Delta
+PROTOCOL_VERSION = 3  # 2: logprobs in VerifyResult and Delta; 3: VerifyResult.error
 # Explicit msgpack limits on a decoded message (docs/design.md section 6): a message over them is
 # refused whole. Strings are request ids (at most 128 characters), enum values and finish reasons.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -94,7 +94,7 @@ class VerifyResult:
     token_ids: tuple[int, ...]  # committed this round (empty while prefilling)
     num_draft_tokens: int = 0  # drafted tokens verified
     num_accepted: int = 0  # of them accepted
-    finish_reason: str | None = None  # "stop" / "length" once the request ended
+    finish_reason: str | None = None  # "stop" / "length" / "error" once the request ended
     dropped: Dropped | None = None  # the expected block was not used
     prefilling: bool = False  # only a chunk of the context was cached: nothing verified
     logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token (params.logprobs)
@@ -102,6 +102,7 @@ class VerifyResult:
     # prompt_logprobs_from + 1 (entries are kept by position: a replayed chunk repeats some)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs_from: int = 0
+    error: str | None = None  # finish_reason "error": why the request cannot go on
 
     @staticmethod
     def chunk(

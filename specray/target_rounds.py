@@ -115,6 +115,7 @@ class TargetRounds(Generic[State]):
         num_accepted: int,
         finish_reason: str | None,
         dropped: Mapping[str, Dropped],
+        error: str | None = None,
     ) -> VerifyResult:
         """What a verified request committed (acceptance counts only when it drafted)."""
         return VerifyResult(
@@ -124,6 +125,7 @@ class TargetRounds(Generic[State]):
             num_accepted if num_draft_tokens else 0,
             finish_reason,
             dropped.get(item.request_id),
+            error=error,
         )
 
     def forget(self, request_id: str) -> State | None:

@@ -253,13 +253,14 @@ class TargetWorker:
                 results.append(VerifyResult.chunk(state.request_id, prompt_logprobs, start))
                 continue
             tokens = committed[state.request_id]
+            accepted = max(len(tokens) - 1, 0)  # none when a grammar's dead end kept no token
             block = checked.get(state.request_id)
             reply = self.inbox.reply_to((state.request_id, item.step))
             if reply is not None:
                 verdict = pb.Verdict(
                     request_id=state.request_id,
                     step=item.step,
-                    num_accepted=len(tokens) - 1,
+                    num_accepted=accepted,
                     token_ids=tokens,
                 )
                 if self.core.keep_features and not state.finish_reason:
@@ -268,7 +269,7 @@ class TargetWorker:
                 reply(verdict)
             num_draft = len(block.token_ids) if block is not None else 0
             result = self.rounds.result(
-                item, tokens, num_draft, len(tokens) - 1, state.finish_reason, dropped
+                item, tokens, num_draft, accepted, state.finish_reason, dropped, state.error
             )
             if state.logprobs or prompt_logprobs:
                 result = dataclasses.replace(

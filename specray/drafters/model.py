@@ -28,6 +28,7 @@ from specray.sampling import (
     stack_rows,
 )
 from specray.sampling.batch_pipeline import BatchLogitsPipeline
+from specray.sampling.encoding import POINT_MASS_ENCODING
 from specray.sampling.rng import keyed_uniforms, seed_tensor
 
 
@@ -155,8 +156,7 @@ class ModelDrafter:
             rows = self._step_probs(stepping, logits, proposals)  # [n, vocab] q per request
             piped = time.perf_counter()
             if self.keep_encoded:  # sample from exactly what is sent: decode(encode(q))
-                step_encoded = encode_draft_probs(rows, self.encoding)  # one copy to the host
-                sent = [step_encoded.row(index) for index in range(len(stepping))]
+                sent = self._encode_step(stepping, rows)
                 for request, row in zip(stepping, sent, strict=True):
                     encoded[request.request_id].append(row)
                 # decoded row by row, as the receiver decodes them; one copy back
@@ -196,6 +196,25 @@ class ModelDrafter:
             else:
                 out[index] = row[0]
         return out
+
+    def _encode_step(self, requests, rows: torch.Tensor) -> list[EncodedDraftProbs]:
+        """Each request's q of this step in wire form, one message a row: a greedy request's
+        one-hot q as a point mass (its id: the same q in 8 bytes, not a vocabulary row), the
+        others in the drafter's encoding; one copy to the host for each kind."""
+        greedy = [request.pipeline.params.greedy for request in requests]
+        kinds = (
+            (POINT_MASS_ENCODING, [i for i, is_greedy in enumerate(greedy) if is_greedy]),
+            (self.encoding, [i for i, is_greedy in enumerate(greedy) if not is_greedy]),
+        )
+        sent: list[EncodedDraftProbs | None] = [None] * len(requests)
+        for encoding, indices in kinds:
+            if not indices:
+                continue
+            picked = rows if len(indices) == len(requests) else rows[indices]  # [m, vocab]
+            encoded = encode_draft_probs(picked, encoding)
+            for row, index in enumerate(indices):
+                sent[index] = encoded.row(row)
+        return sent
 
     def _sample(self, requests, rows: torch.Tensor, step: int) -> list[int]:
         """Each request's token from its q, with its keyed DRAFT draw at its output position:

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from specray.drafters.base import DraftBlock, DraftRequest
-from specray.sampling import DraftProbsEncoding, encode_draft_probs
-
-POINT_MASS_ENCODING = DraftProbsEncoding.parse("top1")  # exact for a point mass: 8 bytes a row
+from specray.sampling import encode_draft_probs
+from specray.sampling.encoding import POINT_MASS_ENCODING
 
 
 def find_continuation(

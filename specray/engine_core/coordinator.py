@@ -547,7 +547,7 @@ class Coordinator:
         if finished:
             await self._release(finished)
         for request in finished:
-            self._end(request, None)
+            self._end(request, request.failure())
 
     # ---- commit and end ----------------------------------------------------------------
     def _commit(self, request: Request, result: VerifyResult) -> None:
@@ -563,7 +563,7 @@ class Coordinator:
             reason = result.dropped.reason.value
             self.metrics.labels(self.metrics.dropped_blocks, reason=reason).inc()
         before = len(state.output_token_ids)
-        state.commit(result.token_ids)
+        state.commit(result.token_ids, error=result.error)
         if state.finish_reason != result.finish_reason:
             raise RuntimeError(f"coordinator and target disagree on {state.request_id}'s end")
         new = state.output_token_ids[before:]

@@ -61,8 +61,7 @@ def record_round(
     if prefill_s > 0:
         stats.target_prefill_s += prefill_s
     if verified:  # (a round of prompt chunks only verifies nothing)
-        widest = max(len(r.token_ids) + (r.num_draft_tokens - r.num_accepted)
-                     for r in verified)  # fmt: skip
+        widest = max(r.num_draft_tokens + 1 for r in verified)  # tokens fed: pending + drafts
         verify_s = compute_s - prefill_s
         costs.add_verify(len(verified), widest, verify_s, verify_prior)
     elapsed = now - stats.started_s

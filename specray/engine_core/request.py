@@ -31,7 +31,7 @@ from specray.core import RequestState
 from specray.engine_core.block_length import RequestProbe
 from specray.engine_core.policy import AcceptanceEstimator
 from specray.engine_core.streams import RequestStream
-from specray.errors import DeadlineExceededError
+from specray.errors import DeadlineExceededError, InvalidRequestError
 from specray.protocol import VerifyResult
 
 
@@ -120,6 +120,13 @@ class Request:
         if first and params.prompt_logprobs is not None:
             prompt = [None, *self.state.prompt_logprobs]
         return logprobs, prompt
+
+    def failure(self) -> InvalidRequestError | None:
+        """Why it ended without an output (finish_reason "error": its grammar wanted a token
+        the vocabulary lacks), or None."""
+        if self.state.error is None:
+            return None
+        return InvalidRequestError(self.state.error, param="structured_outputs")
 
     def deadline_error(self) -> DeadlineExceededError:
         return DeadlineExceededError(

@@ -52,6 +52,10 @@ class DraftProbsEncoding:
         return self.top_m is not None
 
 
+# A one-hot q (prompt lookup's drafts, a greedy request's) says only its id: 8 bytes a row.
+POINT_MASS_ENCODING = DraftProbsEncoding("top1", 1)
+
+
 @dataclass(frozen=True)
 class WireTensor:
     """A tensor as raw little-endian bytes with its dtype name and shape."""

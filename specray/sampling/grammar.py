@@ -144,6 +144,9 @@ class GrammarMatcher:
         self._matcher, self.words = matcher, words
         self._tokens: list[int] = []  # followed, in order
         self._accepted = 0  # of them, the matcher holds this many (the rest follow a refusal)
+        # The first row of the last masks() where the grammar allows no token at all (it
+        # wants text this vocabulary cannot spell); None: every row has one
+        self.dead_end: int | None = None
 
     @property
     def _refused(self) -> bool:
@@ -174,16 +177,25 @@ class GrammarMatcher:
         self, history: Sequence[int], candidates: Sequence[int], num_rows: int
     ) -> torch.Tensor:
         """Packed allowed-token masks, int32 ``[num_rows, words]``: row j for the position
-        after ``history + candidates[:j]``. The matcher stays at ``history``."""
+        after ``history + candidates[:j]``. The matcher stays at ``history``.
+
+        A row where the grammar allows nothing (a dead end, :attr:`dead_end`) is left
+        unmasked, so that no distribution is empty; a token drawn there is never committed
+        (the target ends the request with an error: ``RequestState.commit_verified``)."""
         out = torch.zeros(num_rows, self.words, dtype=torch.int32, device="cpu")
+        self.dead_end = None
         self._follow(history)
         for row in range(num_rows):
             if row:
                 self._push(int(candidates[row - 1]))
             if self._refused or self._matcher.is_terminated():
                 out[row] = out[row - 1] if row else -1  # unread: the position cannot occur
-            else:
-                self._matcher.fill_next_token_bitmask(out, row)
+                continue
+            self._matcher.fill_next_token_bitmask(out, row)
+            if not out[row].any():
+                out[row] = -1
+                if self.dead_end is None:
+                    self.dead_end = row
         self._follow(history)
         return out
 

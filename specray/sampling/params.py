@@ -236,6 +236,9 @@ class SamplingParams:
                 "min_tokens",
                 f"min_tokens={self.min_tokens} cannot be combined with structured_outputs",
             )
+        for name in ("allowed_token_ids", "banned_token_ids"):  # may take every allowed token
+            if getattr(self, name):
+                _fail(name, f"{name} cannot be combined with structured_outputs")
 
     @property
     def greedy(self) -> bool:

@@ -1008,27 +1008,36 @@ def test_auto_tool_choice_where_the_template_shows_tools(chat_pair, tmp_path):
     assert required["usage"]["prompt_tokens"] == auto["usage"]["prompt_tokens"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine: a grammar whose mask leaves no token (here at the first position: no token "
-    "spells U+001D) fails the whole target group (503, its other requests too) and leaves the "
-    "request held in the worker, instead of failing the request (reported)",
-)
 def test_a_grammar_the_vocabulary_cannot_spell(chat_pair):
-    """On a backend of its own: the failure it shows would leak into the shared one."""
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "guided_choice": ["\u001d"]}
+    """No token spells U+001D: a grammar that wants it first, or after "a", ends its request
+    with a 400 naming structured_outputs (the tokens before the dead end were valid), while
+    a request beside it completes and the backend keeps serving (on a backend of its own, so
+    that a failure would not leak into the shared one)."""
+    first = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "guided_choice": ["\u001d"]}
+    later = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "guided_regex": "a\u001d"}
+    plain = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
 
-    async def post() -> httpx.Response:
+    async def post() -> list[httpx.Response]:
         backend = await LocalBackend.start(chat_pair[0], None, model_name=MODEL)
         try:
             transport = httpx.ASGITransport(app=build_http_app(backend))
             async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
-                return await client.post("/v1/completions", json=body, timeout=30)
+                together = await asyncio.gather(
+                    *(client.post("/v1/completions", json=b, timeout=60) for b in (first, plain))
+                )
+                after = [await client.post("/v1/completions", json=b) for b in (later, plain)]
+                return [*together, *after]
         finally:
             await backend.stop(drain=False)
 
-    reply = asyncio.run(post())
-    assert reply.status_code < 500, reply.text
+    dead_first, beside, dead_later, after = asyncio.run(post())
+    for reply, tokens in ((dead_first, 0), (dead_later, 1)):
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == "structured_outputs", error
+        assert f"after {tokens} output tokens" in error["message"], error
+    assert beside.status_code == after.status_code == 200, (beside.text, after.text)
+    assert beside.json()["choices"][0]["text"] == after.json()["choices"][0]["text"]
 
 
 BAD_STRUCTURED = [

@@ -102,7 +102,13 @@ def random_request_set(rng: random.Random):
         stop = rng.sample(range(vocab_size), rng.randint(1, min(3, vocab_size - 1) or 1))
         grammars = None
         if vocab_size > 2 and not params.min_tokens and rng.random() < 0.15:
-            params = replace(params, structured_outputs=rng.choice(GRAMMARS))
+            # (refused beside a grammar: they may take every token it allows)
+            params = replace(
+                params,
+                allowed_token_ids=None,
+                banned_token_ids=None,
+                structured_outputs=rng.choice(GRAMMARS),
+            )
             grammars = grammars_for(vocab_size)
         pipelines.append(LogitsPipeline(params, vocab_size, prompt, stop, grammars))
         rows = rng.randint(1, 5)

@@ -57,7 +57,9 @@ def valid_walk(grammars, spec, history, length, rng) -> list[int]:
 def test_masks_follow_any_order_of_histories(grammars, spec):
     """500 calls with random histories (extensions, rollbacks, random drafts) on one matcher
     give, row by row, the mask of a fresh matcher fed that row's history; a row after a
-    refused token is never sampled from and only has to be a valid mask."""
+    refused token is never sampled from and only has to be a valid mask. A row where the
+    grammar allows nothing (this tiny vocabulary cannot spell what it wants) is left unmasked
+    and reported as the matcher's dead end."""
     rng = random.Random(5)
     matcher = grammars.matcher(*spec)
     history: list[int] = []
@@ -79,7 +81,10 @@ def test_masks_follow_any_order_of_histories(grammars, spec):
             expected = fresh_masks(grammars, spec, history + candidates[:j])
             if expected is None:  # refused: the later rows are unread
                 break
-            assert torch.equal(rows[j], expected), (history, candidates, j)
+            if expected.any():
+                assert torch.equal(rows[j], expected), (history, candidates, j)
+            else:
+                assert rows[j].all() and matcher.dead_end == j, (history, candidates, j)
             checked += 1
             deeper += j > 0
     assert checked >= 500 and deeper >= 100, (checked, deeper)
@@ -143,5 +148,55 @@ def test_sampling_params_check_the_spec_by_name():
     with pytest.raises(SamplingParamsError) as caught:
         SamplingParams(structured_outputs=("regex", "a+"), min_tokens=1)
     assert caught.value.param == "min_tokens"
+    for name in ("allowed_token_ids", "banned_token_ids"):  # could leave no token to draw
+        with pytest.raises(SamplingParamsError) as caught:
+            SamplingParams(structured_outputs=("regex", "a+"), **{name: [3]})
+        assert caught.value.param == name
     check_spec("json_object", "")
     assert SamplingParams(structured_outputs=["regex", "a+"]).structured_outputs == ("regex", "a+")
+
+
+def test_a_dead_end_is_reported_and_left_unmasked(grammars):
+    """ "1" then a letter this vocabulary lacks: after "1" nothing is allowed. The row is left
+    unmasked (no empty distribution) and its index reported; rows before it are exact."""
+    matcher = grammars.matcher("regex", r"1[bc]")
+    rows = unpack_masks(matcher.masks([], [3], 2), len(TEXTS))
+    assert rows[0].nonzero().flatten().tolist() == [3]
+    assert rows[1].all() and matcher.dead_end == 1
+    matcher.masks([], [], 1)
+    assert matcher.dead_end is None  # recomputed per call
+
+
+def test_a_request_commits_up_to_its_dead_end_then_ends_with_an_error(grammars):
+    from specray.core import RequestState
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=("regex", "1[bc]"))
+    state = RequestState.create("r", [0], params, 0, len(TEXTS), frozenset([EOS]), lambda: grammars)
+    state.pipeline.grammar.masks([], [3], 2)  # what the round's verification asked
+    assert state.commit_verified([3, 4]) == [3]  # "x" came from the dead row: not committed
+    assert state.output_token_ids == [3] and state.finish_reason == "error"
+    assert state.error.startswith("structured_outputs: after 1 output tokens")
+    state = RequestState.create("s", [0], params, 0, len(TEXTS), frozenset([EOS]), lambda: grammars)
+    state.pipeline.grammar.masks([], [3], 2)
+    assert state.commit_verified([3]) == [3]  # the dead row was not drawn from: goes on
+    assert state.finish_reason is None and state.error is None
+
+
+def test_the_engine_refuses_a_grammar_its_vocabulary_cannot_finish():
+    """Through Engine.generate, drafting with a model: a grammar that needs a token after "1"
+    that this vocabulary lacks fails the call naming structured_outputs (its dead-end rows,
+    left unmasked, gave no NaN on the way); the request beside it is unaffected next call."""
+    from specray import Engine
+    from specray.engine import EngineInputError
+    from tests.helpers.tiny_models import tiny_llama
+
+    engine = Engine(
+        target=tiny_llama(len(TEXTS), 0), draft=tiny_llama(len(TEXTS), 1), num_speculative_tokens=2
+    )
+    engine.grammars = lambda: Grammars.for_vocab(TEXTS, [EOS])
+    dead = SamplingParams(max_tokens=4, seed=1, structured_outputs=("regex", "1[bc]"))
+    fine = SamplingParams(max_tokens=4, seed=1, structured_outputs=("regex", "1x"))
+    with pytest.raises(EngineInputError, match="prompt 1: structured_outputs: after 1 output"):
+        engine.generate([[0, 1], [0, 1]], [fine, dead])
+    (output,) = engine.generate([[0, 1]], [fine])
+    assert output.token_ids[:3] == [3, 4, EOS]  # (EOS is the grammar's, not the model's)
