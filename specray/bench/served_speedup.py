@@ -256,8 +256,10 @@ def run_served_speedup_bench(config: ServedSpeedupConfig = ServedSpeedupConfig()
         "policy_over_served_best_fixed": round(served_speedup / served_fixed[served_best_k], 4),
         "served_speedup": round(served_speedup, 4),
         "served_over_in_process": round(served_speedup / speedups[best_k], 4),
-        "greedy_outputs_identical_on_off": f"{identical}/{len(prompts)}",
-        "greedy_outputs_identical_served_in_process": f"{same_as_in_process}/{len(prompts)}",
+        "greedy_outputs_identical_on_off": f"{identical}/{len(measured['off'].outputs)}",
+        "greedy_outputs_identical_served_in_process": (
+            f"{same_as_in_process}/{len(measured['off'].outputs)}"
+        ),
     }
 
 
