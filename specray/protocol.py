@@ -37,7 +37,8 @@ import msgpack
 from specray.sampling.logprobs import TokenLogprob
 from specray.sampling.params import SamplingParams
 
-PROTOCOL_VERSION = 3  # 2: logprobs in VerifyResult and Delta; 3: VerifyResult.error
+PROTOCOL_VERSION = 3  # 2: logprobs in VerifyResult and Delta; 3: VerifyResult.error, and
+# RoundReport.num_tokens / kv_cache_usage
 # Explicit msgpack limits on a decoded message (docs/design.md section 6): a message over them is
 # refused whole. Strings are request ids (at most 128 characters), enum values and finish reasons.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -126,6 +127,8 @@ class RoundReport:
     prefill_s: float = 0.0  # of requests new to the target (part of compute_s)
     forward_s: float = 0.0  # the verification forward alone
     service_s: float = 0.0  # inside the call
+    num_tokens: int = 0  # tokens the round's forwards ran: prompts prefilled and verification
+    kv_cache_usage: float = 0.0  # after the round: the share of the target's KV slots in use
 
 
 @dataclass(frozen=True)

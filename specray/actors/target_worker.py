@@ -214,6 +214,7 @@ class TargetWorker:
         over their streams; the report carries the results and the round's timing.
         """
         entered = time.perf_counter()
+        fed_before = self.runner.tokens_fed
         items = round_.items
         states, fresh = self.rounds.open(items)
         prefill_started = time.perf_counter()
@@ -289,6 +290,8 @@ class TargetWorker:
             prefill_s=prefill_s,
             forward_s=forward_s,
             service_s=service_s,
+            num_tokens=self.runner.tokens_fed - fed_before,
+            kv_cache_usage=self.runner.kv_cache_usage,
         )
 
     def _attach_features(self, verdict: pb.Verdict, held: int) -> None:

@@ -57,6 +57,7 @@ from specray.engine_core.recording import (
     record_draft_failure,
     record_draft_prefill,
     record_emission,
+    record_end,
     record_proposal,
     record_round,
 )
@@ -376,8 +377,9 @@ class Coordinator:
             max_running=self.config.max_running,
             split_pays=self._split_pays,
         )
-        if self._pool is not None:
-            for request in joined:
+        for request in joined:
+            request.admitted_s = self._loop.time()
+            if self._pool is not None:
                 self._pool.assign(request)
 
     def _merge_unless_split_pays(self, index: int) -> None:
@@ -577,8 +579,7 @@ class Coordinator:
         if error is None:
             output = self._output(request)
             reason = output.finish_reason
-            latency = self.metrics.labels(self.metrics.e2e_request_latency)
-            latency.observe(self._loop.time() - request.arrival_s)
+            record_end(self.metrics, request, self._loop.time())
         self.metrics.labels(self.metrics.request_success, finished_reason=reason).inc()
         request.stream._finish(output, error)
         self._update_gauges()

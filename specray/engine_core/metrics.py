@@ -25,6 +25,8 @@ LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25,
     0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
+# Tokens per request (prompt, generation) and per round: vLLM's 1-2-5 steps.
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
 class CoordinatorMetrics:
@@ -40,10 +42,8 @@ class CoordinatorMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + name, doc, labels, registry=self.registry)
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(
-                PREFIX + name, doc, labels, buckets=LATENCY_BUCKETS_S, registry=self.registry
-            )
+        def histogram(name: str, doc: str, buckets=LATENCY_BUCKETS_S) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 
         # vLLM's speculative-decoding counters (prometheus_client appends ``_total``).
         self.num_drafts = counter("spec_decode_num_drafts", "Verifications with drafts.")
@@ -72,6 +72,33 @@ class CoordinatorMetrics:
             "inter_token_latency_seconds", "Time between streamed tokens (per token)."
         )
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Request latency.")
+        # A finished request's phases: waiting for a batch slot, then until its first token
+        # (prefill, chunked or not), then the rest (decode).
+        self.request_queue_time = histogram("request_queue_time_seconds", "Time in the queue.")
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "From admission to the first token."
+        )
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "From the first token to the last."
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of finished requests.", TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens of finished requests.", TOKEN_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Tokens a target round ran (prompts prefilled and verified tokens).",
+            TOKEN_BUCKETS,
+        )
+        self.kv_cache_usage = gauge(
+            "kv_cache_usage_perc", "Share of the target's allocated KV slots in use (1 = 100%)."
+        )
+        # specray never preempts (a request keeps its cache rows until it ends): always 0,
+        # exported so that dashboards built for vLLM find the series.
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (never).")
+        self.labels(self.num_preemptions)  # the series exists from the start, at 0
         # Distributed speculation.
         self.target_busy_seconds = counter("target_busy_seconds", "Target compute time.")
         self.pipeline_bubble_seconds = counter(

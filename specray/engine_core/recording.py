@@ -64,6 +64,9 @@ def record_round(
         widest = max(r.num_draft_tokens + 1 for r in verified)  # tokens fed: pending + drafts
         verify_s = compute_s - prefill_s
         costs.add_verify(len(verified), widest, verify_s, verify_prior)
+    if reply.num_tokens:
+        metrics.labels(metrics.iteration_tokens).observe(reply.num_tokens)
+    metrics.labels(metrics.kv_cache_usage).set(reply.kv_cache_usage)
     elapsed = now - stats.started_s
     if elapsed > 0:
         busy = min(stats.target_compute_s / elapsed, 1.0)
@@ -99,6 +102,20 @@ def record_draft_failure(stats: CoordinatorStats, metrics: CoordinatorMetrics) -
     """A draft worker failed a call and is being replaced."""
     stats.draft_failures += 1
     metrics.labels(metrics.draft_worker_restarts).inc()
+
+
+def record_end(metrics: CoordinatorMetrics, request: Request, now: float) -> None:
+    """A request that finished with an output: its latency, the time of each phase (queue,
+    prefill up to the first token, decode) and its token counts."""
+    metrics.labels(metrics.e2e_request_latency).observe(now - request.arrival_s)
+    admitted = request.admitted_s if request.admitted_s is not None else request.arrival_s
+    first = request.first_token_s if request.first_token_s is not None else now
+    metrics.labels(metrics.request_queue_time).observe(admitted - request.arrival_s)
+    metrics.labels(metrics.request_prefill_time).observe(first - admitted)
+    metrics.labels(metrics.request_decode_time).observe(now - first)
+    state = request.state
+    metrics.labels(metrics.request_prompt_tokens).observe(len(state.prompt_token_ids))
+    metrics.labels(metrics.request_generation_tokens).observe(len(state.output_token_ids))
 
 
 def record_emission(

@@ -87,6 +87,7 @@ class Request:
     step: int = 0
     cancelled: bool = False  # abort() or stop(drain=False): ended at its next block boundary
     finish_now: bool = False  # finish(): a front end matched a stop string; ends as finished
+    admitted_s: float | None = None  # joined a micro-batch (left the queue)
     first_token_s: float | None = None
     last_emit_s: float | None = None
     chunk_gaps_s: list[float] = field(default_factory=list)

@@ -112,6 +112,7 @@ class ModelRunner:
         self.linear_tuning = tune_decoder_linears(decoder) if tune and decoder else None
         self._tuned_head = tune_head(head) if tune and plain_head else None
         self.head_s = 0.0  # seconds in the head (logits), over the runner's life: benchmarks
+        self.tokens_fed = 0  # tokens run through forwards, over the runner's life: metrics
         self.cache: SlotCache | None = None
         self.seq_ids: list[Hashable] = []  # row order of the cache
         self.lengths: list[int] = []  # tokens cached per row (slots 0 .. length - 1)
@@ -122,6 +123,14 @@ class ModelRunner:
 
     def length(self, seq_id: Hashable) -> int:
         return self.lengths[self.seq_ids.index(seq_id)]
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The share of the allocated KV slots (rows x slots) that hold cached tokens; 0 with
+        nothing allocated."""
+        cache = self.cache
+        capacity = cache.row_capacity * cache.slot_capacity if cache is not None else 0
+        return sum(self.lengths) / capacity if capacity else 0.0
 
     @property
     def num_slots(self) -> int:
@@ -218,6 +227,7 @@ class ModelRunner:
                     raise ValueError(f"{name} for {seq_id!r} must be in [1, {count}]")
             if features is not None and len(features.get(seq_id, ())) != count:
                 raise ValueError(f"features for {seq_id!r} must have {count} rows")
+        self.tokens_fed += sum(counts.values())
         fresh = [seq_id for seq_id in new_token_ids if seq_id not in self.seq_ids]
         self.seq_ids.extend(fresh)
         self.lengths.extend([0] * len(fresh))

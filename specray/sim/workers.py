@@ -256,6 +256,7 @@ class SimTargetBackend:
             compute_s=service_s - wait_s,
             prefill_s=prefill_s,  # as the real target: part of compute_s, not of a round
             service_s=service_s,
+            num_tokens=prefill_tokens + sum(r.num_draft_tokens + 1 for r in results if r.token_ids),
         )
 
     def _forget(self, request_id: str) -> None:
