@@ -84,8 +84,23 @@ def kuberay_definitions() -> dict[str, dict]:
                 "workerGroupSpecs": {"type": "array", "items": ref(RAY + "WorkerGroupSpec")},
                 "headServiceAnnotations": STRING_MAP,
                 "suspend": BOOLEAN,
+                "gcsFaultToleranceOptions": ref(RAY + "GcsFaultToleranceOptions"),
             },
             required=("headGroupSpec",),
+        ),
+        RAY + "GcsFaultToleranceOptions": strict_object(
+            "GCS fault tolerance: the GCS's state in an external Redis (KubeRay 1.3+).",
+            {
+                "redisAddress": STRING,
+                "redisUsername": ref(RAY + "RedisCredential"),
+                "redisPassword": ref(RAY + "RedisCredential"),
+                "externalStorageNamespace": STRING,
+            },
+            required=("redisAddress",),
+        ),
+        RAY + "RedisCredential": strict_object(
+            "A Redis username or password: a value, or where to read it (a Secret's key).",
+            {"value": STRING, "valueFrom": ref(CORE + "EnvVarSource")},
         ),
         RAY + "AutoscalerOptions": strict_object(
             "Overrides for the Ray autoscaler sidecar.",

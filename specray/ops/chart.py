@@ -6,11 +6,14 @@ binary needed. What ``specray cluster validate`` runs, step by step:
 2. The values (``values.yaml``, then merged with the user's) against ``values.schema.json``.
 3. Every rendered document of a core kind through ``kubernetes-validate --strict``; the
    RayService through the vendored KubeRay schema (``deploy/schemas/kuberay``); a
-   ServiceMonitor through a minimal hand-written schema and against the Service it selects.
+   ServiceMonitor / PodMonitor through a minimal hand-written schema and against what it
+   selects (:mod:`specray.ops.chart_checks`).
 4. ``serveConfigV2`` through Ray Serve's ``ServeDeploySchema`` and its args through
    ``AppArgs``; compared with :func:`specray.serve.launch.deploy_config` of those args.
-5. The pods' wiring (ports, the auth token's env var, the TLS mount) and the node groups, read
-   back as :class:`~specray.ops.node_types.NodeType`, through ``placement_problems``.
+5. The pods' wiring (ports, the auth token's env var, the TLS mount), the Ray pods' metrics
+   ports, volume mounts and GCS fault tolerance, the PodDisruptionBudgets' selectors
+   (:mod:`specray.ops.chart_checks`), and the node groups, read back as
+   :class:`~specray.ops.node_types.NodeType`, through ``placement_problems``.
 
     report = validate_chart("helm/specray", {"app": {"tp_size": 4}, "targetGroup": {"gpus": 4}})
     print(report.text()); assert report.ok
@@ -24,14 +27,28 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from specray.ops.chart_checks import (
+    Check,
+    Report,
+    check_disruption_budgets,
+    check_pod_monitor,
+    check_ray_pods,
+    check_service_monitor,
+    ray_containers,
+)
+from specray.ops.chart_checks import error_text as _error
+from specray.ops.chart_checks import label as _label
+from specray.ops.chart_checks import only as _only
+from specray.ops.chart_checks import passed as _passed
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = ROOT / "helm" / "specray"
@@ -41,42 +58,6 @@ RELEASE, NAMESPACE = "specray", "default"
 LINT_WARNING = 2  # helm lint severities: 1 info, 2 warning, 3 error; --strict fails on >= 2
 HTTP_PORT = 8000  # Serve's HTTP proxy on the head (http_options.port)
 TLS_FIELDS = ("tls_cert", "tls_key", "tls_client_ca")
-
-
-@dataclass(frozen=True)
-class Check:
-    status: str  # "PASS", "SKIP" or "FAIL"
-    name: str
-    detail: str = ""
-
-    def line(self) -> str:
-        if not self.detail:
-            return f"{self.status} {self.name}"
-        if self.status == "PASS":
-            return f"{self.status} {self.name} ({self.detail})"
-        return f"{self.status} {self.name}: {self.detail}"
-
-
-@dataclass(frozen=True)
-class Report:
-    checks: tuple[Check, ...]
-
-    @property
-    def ok(self) -> bool:
-        return all(check.status != "FAIL" for check in self.checks)
-
-    def lines(self) -> list[str]:
-        return [check.line() for check in self.checks]
-
-    def text(self) -> str:
-        verdict = "OK" if self.ok else "FAILED"
-        return "\n".join([*self.lines(), f"{verdict}: {len(self.checks)} checks"])
-
-
-def _passed(name: str, problems: Sequence[str], detail: str = "") -> Check:
-    if problems:
-        return Check("FAIL", name, "; ".join(problems))
-    return Check("PASS", name, detail)
 
 
 # ---- Helm ---------------------------------------------------------------------------------
@@ -112,11 +93,36 @@ def render(
     namespace: str = NAMESPACE,
 ) -> list[dict]:
     """``helm template``: the rendered documents (test hooks included, NOTES.txt not)."""
+    return _documents(text for _, text in _manifests(chart_dir, values, name, namespace))
+
+
+def render_text(
+    chart_dir: str | Path = CHART_DIR,
+    values: Mapping | None = None,
+    *,
+    name: str = RELEASE,
+    namespace: str = NAMESPACE,
+) -> str:
+    """``helm template``'s output: each document after ``---`` and a ``# Source:`` line."""
+    return "".join(
+        f"---\n# Source: {path}\n{document.strip()}\n"
+        for path, text in _manifests(chart_dir, values, name, namespace)
+        for document in _DOCUMENT_SEPARATOR.split(text)
+        if document.strip()
+    )
+
+
+_DOCUMENT_SEPARATOR = re.compile(r"^---[ \t]*$", re.MULTILINE)
+
+
+def _manifests(chart_dir, values, name: str, namespace: str) -> list[tuple[str, str]]:
+    """(template path, rendered text), sorted by path: manifests only. The Helm library
+    checks the values against values.schema.json first (HelmValuesError)."""
     import helm_python
 
     with helm_python.Chart.load(str(chart_dir)) as chart:
         manifests = chart.render(_plain(values), name=name, namespace=namespace)
-    return _documents(text for path, text in sorted(manifests.items()) if _is_manifest(path))
+    return [(path, text) for path, text in sorted(manifests.items()) if _is_manifest(path)]
 
 
 def _is_manifest(path: str) -> bool:
@@ -210,11 +216,6 @@ def check_values(chart_dir: str | Path = CHART_DIR, values: Mapping | None = Non
     return _passed("values.schema.json", problems, f"jsonschema draft-07, {scope}")
 
 
-def _error(error) -> str:
-    where = "/".join(str(part) for part in error.absolute_path) or "(root)"
-    return f"{where}: {error.message}"
-
-
 # ---- Kubernetes and KubeRay schemas ----------------------------------------------------------
 def check_kubernetes(docs: Sequence[dict]) -> list[Check]:
     """Core kinds through kubernetes-validate --strict; the CRDs go to their own checks."""
@@ -227,6 +228,8 @@ def check_kubernetes(docs: Sequence[dict]) -> list[Check]:
             checks.append(check_rayservice(doc))
         elif doc.get("kind") == "ServiceMonitor":
             checks.append(check_service_monitor(doc, docs))
+        elif doc.get("kind") == "PodMonitor":
+            checks.append(check_pod_monitor(doc, docs))
         else:
             name = f"kubernetes-validate --strict {label}"
             try:
@@ -251,72 +254,6 @@ def check_rayservice(doc: Mapping, schema_path: str | Path = KUBERAY_SCHEMA) -> 
     validator = jsonschema.Draft202012Validator(json.loads(schema_path.read_text()))
     errors = sorted(validator.iter_errors(doc), key=lambda error: list(error.absolute_path))
     return _passed(name, [_error(error) for error in errors], f"vendored {schema_path.name}")
-
-
-# prometheus-operator's CRD is not vendored: only the fields this chart relies on are checked.
-_ENDPOINT = {
-    "type": "object",
-    "required": ["port"],
-    "properties": {
-        "port": {"type": "string"},
-        "path": {"type": "string", "pattern": "^/"},
-        "interval": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
-    },
-}
-_SELECTOR = {"type": "object", "properties": {"matchLabels": {"type": "object"}}}
-SERVICE_MONITOR_SCHEMA = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "metadata": {"type": "object", "required": ["name"]},
-        "spec": {
-            "type": "object",
-            "required": ["selector", "endpoints"],
-            "properties": {
-                "selector": _SELECTOR,
-                "endpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
-            },
-        },
-    },
-}
-
-
-def check_service_monitor(doc: Mapping, docs: Sequence[dict]) -> Check:
-    """A minimal schema, then: a rendered Service matches its selector and has its ports."""
-    import jsonschema
-
-    name = f"hand-written schema {_label(doc)}"
-    problems = [
-        _error(e) for e in jsonschema.Draft7Validator(SERVICE_MONITOR_SCHEMA).iter_errors(doc)
-    ]
-    if problems:
-        return Check("FAIL", name, "; ".join(problems))
-    wanted = doc["spec"]["selector"].get("matchLabels") or {}
-    services = [
-        d
-        for d in docs
-        if d.get("kind") == "Service"
-        and wanted.items() <= (d["metadata"].get("labels") or {}).items()
-    ]
-    if len(services) != 1:
-        return Check("FAIL", name, f"selects {len(services)} rendered Services, expected 1")
-    ports = {port.get("name") for port in services[0]["spec"].get("ports", [])}
-    missing = [e["port"] for e in doc["spec"]["endpoints"] if e["port"] not in ports]
-    problems = [f"{_label(services[0])} has no port named {port!r}" for port in missing]
-    detail = f"selector and endpoints only, not the CRD; scrapes {_label(services[0])}"
-    return _passed(name, problems, detail)
-
-
-def _label(doc: Mapping) -> str:
-    return f"{doc.get('kind')}/{(doc.get('metadata') or {}).get('name')}"
-
-
-def _only(docs: Sequence[dict], kind: str) -> dict:
-    found = [doc for doc in docs if doc.get("kind") == kind]
-    if len(found) != 1:
-        raise ValueError(f"expected one {kind}, rendered {len(found)}")
-    return found[0]
 
 
 # ---- the Serve config -----------------------------------------------------------------------
@@ -420,14 +357,6 @@ def _deploy_config_differences(config: Mapping, app: Mapping, args) -> list[str]
 
 
 # ---- pods: wiring and placement ------------------------------------------------------------
-def ray_containers(rayservice: Mapping) -> dict[str, dict]:
-    """The Ray container (KubeRay's: the first one) of the head and of each worker group."""
-    cluster = rayservice["spec"]["rayClusterConfig"]
-    groups = {"head": cluster["headGroupSpec"]}
-    groups.update({g["groupName"]: g for g in cluster.get("workerGroupSpecs") or []})
-    return {name: group["template"]["spec"]["containers"][0] for name, group in groups.items()}
-
-
 def check_wiring(docs: Sequence[dict]) -> Check:
     """What ties the pods to the app's args: ports, the auth token's env var, TLS mounts."""
     name = "wiring (ports, auth env, TLS mounts, head)"
@@ -587,5 +516,7 @@ def validate_chart(
     checks += check_kubernetes(docs)
     checks += check_serve_config(docs)
     checks.append(check_wiring(docs))
+    checks.append(check_ray_pods(docs))
+    checks.append(check_disruption_budgets(docs))
     checks.append(check_placement(docs))
     return Report(tuple(checks))

@@ -8,6 +8,7 @@ down, and validate cluster configs and the Helm chart offline.
     specray cluster status deploy/ray/aws.yaml
     specray cluster down deploy/ray/aws.yaml [--yes]
     specray cluster validate deploy/ray/aws.yaml | helm/specray [--values my-values.yaml]
+    specray cluster render helm/specray [--values my-values.yaml] > manifests.yaml
 """
 
 from __future__ import annotations
@@ -75,11 +76,24 @@ def add_cluster_parser(commands) -> None:
         "--values", type=Path, action="append", default=[], help="chart values file(s)"
     )
 
+    render = actions.add_parser(
+        "render",
+        help="print the Helm chart's manifests, rendered offline as `helm template` renders them",
+    )
+    render.add_argument("path", type=Path, help="a chart directory")
+    render.add_argument(
+        "--values", type=Path, action="append", default=[], help="chart values file(s)"
+    )
+    render.add_argument("--name", default="specray", help="the release name (default: specray)")
+    render.add_argument("--namespace", default="default", help="the release namespace")
+
 
 def run_cluster(args: argparse.Namespace) -> int:
     say = lambda line: print(f"specray: {line}", file=sys.stderr, flush=True)  # noqa: E731
     if args.action == "validate":
         return _validate(args)
+    if args.action == "render":
+        return _render(args)
     if getattr(args, "local", False):
         return _run_local(args, say)
     from specray.ops import cloud
@@ -147,6 +161,24 @@ def _run_local(args: argparse.Namespace, say) -> int:
             continue
         print(line, flush=True)
     print(f"stop with: specray cluster down --local --state-dir {args.state_dir}", flush=True)
+    return 0
+
+
+def _render(args: argparse.Namespace) -> int:
+    """The chart's manifests on stdout, through the Helm library `validate` uses (the values
+    checked against values.schema.json first, as `helm template` checks them)."""
+    import helm_python
+
+    from specray.ops import chart
+
+    if not (args.path / "Chart.yaml").is_file():
+        raise ValueError(f"path: no chart directory (no Chart.yaml): {str(args.path)!r}")
+    values = chart.values_from_files(args.values) if args.values else None
+    try:
+        text = chart.render_text(args.path, values, name=args.name, namespace=args.namespace)
+    except helm_python.HelmError as error:
+        raise ValueError(" ".join(str(error).split())) from None
+    print(text, end="", flush=True)
     return 0
 
 

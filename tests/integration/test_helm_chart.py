@@ -58,6 +58,7 @@ GPU_CLUSTER_DEFAULTS = {"target", "draft", "tp_size", "max_draft_workers"}
 GPU_CLUSTER_DEFAULTS.update({"draft_num_gpus", "target_num_gpus"})
 # Values documented as one README row (Kubernetes objects passed through).
 OBJECT_VALUES = {"resources", "rayStartParams", "nodeSelector", "affinity", "podAnnotations"}
+OBJECT_VALUES.update({"podLabels", "sources"})
 OBJECT_VALUES.update({"annotations", "labels", "podSecurityContext", "containerSecurityContext"})
 
 
@@ -90,10 +91,13 @@ def test_default_values_pass_every_step():
         "KubeRay schema RayService/specray",
         "kubernetes-validate --strict Service/specray",
         "kubernetes-validate --strict Pod/specray-test-generation",
+        "kubernetes-validate --strict PodDisruptionBudget/specray-target",
         "serveConfigV2 ServeDeploySchema",
         "AppArgs of application 'specray'",
         "serveConfigV2 vs deploy_config",
         "wiring",
+        "Ray pods (metrics port, volume mounts, GCS fault tolerance)",
+        "disruption budgets",
         "placement",
     ):
         assert step in passed, report.text()

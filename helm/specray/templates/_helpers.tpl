@@ -88,55 +88,85 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- toYaml $config }}
 {{- end }}
 
-{{/* Env, volumes and mounts every Ray container shares. */}}
+{{- define "specray.rayMetricsPort" -}}8080{{- end }}
+
+{{/* Env, volumes and mounts of a Ray container and its pod. Arguments: root, group (the
+     head's or a worker group's values): the chart-wide lists first, then the group's. */}}
 {{- define "specray.env" -}}
-{{- if .Values.auth.existingSecret }}
-- name: {{ include "specray.authEnv" . }}
+{{- $values := .root.Values }}
+{{- if $values.auth.existingSecret }}
+- name: {{ include "specray.authEnv" .root }}
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.auth.existingSecret }}
-      key: {{ .Values.auth.secretKey }}
+      name: {{ $values.auth.existingSecret }}
+      key: {{ $values.auth.secretKey }}
 {{- end }}
-{{- if .Values.rayServe.haproxy }}
+{{- if $values.rayServe.haproxy }}
 {{- /* specray.cluster.serve_env.SERVE_ENV; a test keeps the two the same */}}
 - {name: RAY_SERVE_ENABLE_HA_PROXY, value: "1"}
 - {name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, value: "0"}
 - {name: RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE, value: "1000"}
 {{- end }}
-{{- with .Values.extraEnv }}
+{{- with concat ($values.extraEnv | default list) (.group.extraEnv | default list) }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
 
+{{- define "specray.modelsMounted" -}}
+{{- if or .Values.models.claimName .Values.models.download.enabled }}true{{ end }}
+{{- end }}
+
 {{- define "specray.volumeMounts" -}}
-{{- if .Values.models.claimName }}
+{{- $values := .root.Values }}
+{{- if include "specray.modelsMounted" .root }}
 - name: models
-  mountPath: {{ .Values.models.mountPath }}
+  mountPath: {{ $values.models.mountPath }}
   readOnly: true
 {{- end }}
-{{- if .Values.tls.existingSecret }}
+{{- if $values.tls.existingSecret }}
 - name: tls
-  mountPath: {{ include "specray.tlsDir" . }}
+  mountPath: {{ include "specray.tlsDir" .root }}
   readOnly: true
+{{- end }}
+{{- if .group.shmSize }}
+- {name: dshm, mountPath: /dev/shm}
+{{- end }}
+{{- with concat ($values.extraVolumeMounts | default list) (.group.extraVolumeMounts | default list) }}
+{{ toYaml . }}
 {{- end }}
 {{- end }}
 
 {{- define "specray.volumes" -}}
-{{- if .Values.models.claimName }}
+{{- $values := .root.Values }}
+{{- $download := $values.models.download }}
+{{- if and $download.enabled $values.models.claimName }}
+{{- fail "models.download.enabled copies the models into an emptyDir at models.mountPath: set models.claimName to \"\" (the PVC is read-only)" }}
+{{- end }}
+{{- if $values.models.claimName }}
 - name: models
   persistentVolumeClaim:
-    claimName: {{ .Values.models.claimName }}
+    claimName: {{ $values.models.claimName }}
     readOnly: true
+{{- else if $download.enabled }}
+- name: models
+  emptyDir: {{ if $download.sizeLimit }}{sizeLimit: {{ $download.sizeLimit }}}{{ else }}{}{{ end }}
 {{- end }}
-{{- if .Values.tls.existingSecret }}
+{{- if $values.tls.existingSecret }}
 - name: tls
   secret:
-    secretName: {{ .Values.tls.existingSecret }}
+    secretName: {{ $values.tls.existingSecret }}
     items:
       - {key: tls.crt, path: tls.crt}
       - {key: tls.key, path: tls.key}
-      {{- if .Values.tls.clientCA }}
+      {{- if $values.tls.clientCA }}
       - {key: ca.crt, path: ca.crt}
       {{- end }}
+{{- end }}
+{{- with .group.shmSize }}
+- name: dshm
+  emptyDir: {medium: Memory, sizeLimit: {{ . }}}
+{{- end }}
+{{- with concat ($values.extraVolumes | default list) (.group.extraVolumes | default list) }}
+{{ toYaml . }}
 {{- end }}
 {{- end }}
