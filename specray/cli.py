@@ -170,7 +170,9 @@ def _build_parser() -> argparse.ArgumentParser:
         help="torch threads per process, for --verify and --serving (both paths)",
     )
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
-    bench.add_argument("--plot", metavar="FILE.png", help="draw tokens/s per configuration")
+    bench.add_argument(
+        "--plot", metavar="FILE.png", help="a PNG of the main, --concurrency or --drafters report"
+    )
 
     from specray.distill.cli import add_distill_parser
     from specray.ops.cli import add_cluster_parser
@@ -317,6 +319,7 @@ def _serving_bench(args: argparse.Namespace) -> int:
         _print_json(json.dumps(report, indent=2))
     else:
         print_serving_report(report)
+    _write_plot(args, report)
     return 0
 
 
@@ -375,6 +378,7 @@ def _bench(args: argparse.Namespace) -> int:
         run_distributed_bench,
     )
 
+    _bench_plotter(args)  # refuses --plot where there is no plot before anything runs
     if args.verify:
         return _verify_bench(args)
     if args.overhead:
@@ -430,12 +434,36 @@ def _bench(args: argparse.Namespace) -> int:
         _print_json(json.dumps(report, indent=2))
     else:
         print_report(report)
-    if args.plot:
-        from specray.bench.main import plot_report
-
-        plot_report(report, args.plot)
-        print(f"specray: plot written to {args.plot}", file=sys.stderr)
+    _write_plot(args, report)
     return 0
+
+
+def _bench_plotter(args: argparse.Namespace):
+    """The function that draws this bench mode's report for ``--plot`` (None without it), in
+    the order ``_bench`` picks the mode; a ValueError naming --plot for a mode without one."""
+    if not args.plot:
+        return None
+    from specray.bench import plots
+
+    modes = {"--verify": args.verify, "--overhead": args.overhead, "--serving": args.serving,
+             "--tp-memory": args.tp_memory, "--steps": args.steps,
+             "--concurrency": args.concurrency, "--drafters": args.drafters,
+             "--backend distributed": args.backend == "distributed"}  # fmt: skip
+    flag = next((flag for flag, on in modes.items() if on), "")
+    plot = {"": plots.plot_bench_report, "--concurrency": plots.plot_serving_report,
+            "--drafters": plots.plot_drafters_report}.get(flag)  # fmt: skip
+    if plot is None:
+        raise ValueError(f"--plot draws the main bench, --concurrency and --drafters, not {flag}")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        raise ValueError(f"--plot: no directory for {args.plot!r}")
+    return plot
+
+
+def _write_plot(args: argparse.Namespace, report: dict) -> None:
+    plot = _bench_plotter(args)
+    if plot is not None:
+        plot(report, args.plot)
+        print(f"specray: plot written to {args.plot}", file=sys.stderr)
 
 
 def _drafters_bench(args: argparse.Namespace) -> int:
@@ -459,6 +487,7 @@ def _drafters_bench(args: argparse.Namespace) -> int:
         _print_json(json.dumps(report, indent=2))
     else:
         print_drafters_report(report)
+    _write_plot(args, report)
     return 0
 
 

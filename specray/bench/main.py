@@ -309,24 +309,6 @@ def print_report(report: dict) -> None:
         print("batched:", json.dumps(row))
 
 
-def plot_report(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [row["configuration"] for row in report["rows"]]
-    values = [row["tokens_per_s"] for row in report["rows"]]
-    colors = ["tab:blue" if name.startswith("specray") else "tab:gray" for name in names]
-    figure, axis = plt.subplots(figsize=(9, 0.5 * len(names) + 1.5))
-    axis.barh(names[::-1], values[::-1], color=colors[::-1])
-    axis.set_xlabel("tokens / s (batch 1, greedy)")
-    axis.set_title("specray bench (batch 1, greedy)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-
-
 DISTRIBUTED_ENCODINGS = ("fp32", "fp16", "top64")
 # SmolLM2-135M has 3 KV heads: TP = 3 is the only split it allows (TP = 2 is tested on a tiny
 # model with 2 KV heads). On 2 CPU cores TP shows correctness, not speed.
