@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specray-installed
 
-.PHONY: demo test test-fast chaos bench lint format clean
+.PHONY: demo test test-fast chaos soak bench lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ chaos: $(STAMP)
 	rm -f .chaos-fuzz.jsonl
 	SPECRAY_FUZZ_EXAMPLES=500 SPECRAY_FUZZ_REPORT=.chaos-fuzz.jsonl $(PY) -m pytest -q tests/fuzz
 	$(PY) -m tests.chaos.run --profile full --fuzz-report .chaos-fuzz.jsonl --json chaos-report.json
+
+# 30 minutes of steady load without faults: RSS per process, tokens/s, and the requests the
+# workers still hold afterwards (tests/chaos/soak.py).
+soak: $(STAMP)
+	$(PY) -m tests.chaos.run --soak-s 1800 --json soak-report.json
 
 bench: $(STAMP)
 	$(VENV)/bin/specray bench --json

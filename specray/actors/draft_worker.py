@@ -183,6 +183,8 @@ class DraftWorker:
         if self.feature_drafter is not None:
             self._receive_features(verdict)
         with self._features_ready:
+            if verdict.request_id not in self.requests:  # released meanwhile: nothing to keep
+                return
             if verdict.step >= self._verdict_step(verdict.request_id):
                 self._verdicts[verdict.request_id] = (verdict.step, list(verdict.token_ids))
             self._features_ready.notify_all()

@@ -341,6 +341,7 @@ class TargetWorker:
     @ray.method(concurrency_group="control")
     def inbox_stats(self) -> dict:
         return dict(self.inbox.stats.__dict__) | {
+            "held": self.inbox.num_held,
             "feature_rows_sent": self.feature_rows_sent,
             "feature_bytes_sent": self.feature_bytes_sent,
         }

@@ -1,7 +1,9 @@
 """Where draft blocks wait for their verification round, keyed by (request_id, step).
 
 Idempotent by construction: the first valid block for a key wins and later copies (retries,
-duplicates, replays) are ignored; a block for a step that was already verified is dropped.
+duplicates, replays) are ignored; a block for a step that was already verified is dropped, and
+so is one for a request already finished (a block that missed its round's deadline may come
+after its request ended: kept, it would be held for the life of the process).
 Invalid blocks are counted and remembered as a drop reason, so that round runs target-only.
 """
 
@@ -16,6 +18,9 @@ from specray.protocol import Dropped, DropReason
 from specray.rpc.messages import CheckedBlock
 
 Key = tuple[str, int]  # (request_id, step)
+# How long a finished request's late blocks are recognised as such: they come within seconds
+# of its end (a draft call's length), never minutes; older ids are forgotten for good.
+FINISHED_TTL_S = 600.0
 
 
 @dataclass
@@ -34,14 +39,20 @@ class BlockInbox:
         self._invalid: dict[Key, Dropped] = {}
         self._reply: dict[Key, Callable] = {}  # where to send the verdict for a key
         self._verified_step: dict[str, int] = {}  # highest step already verified per request
+        self._finished: dict[str, float] = {}  # request id -> when it was forgotten (in order)
         self.stats = InboxStats()
+
+    def _ended(self, request_id: str) -> bool:
+        return request_id in self._finished
 
     def put(self, block: CheckedBlock, reply: Callable) -> bool:
         """Store a valid block; False when it is a duplicate or stale (ignored)."""
         key = (block.request_id, block.step)
         with self._lock:
             self.stats.received += 1
-            if block.step <= self._verified_step.get(block.request_id, -1):
+            if self._ended(block.request_id) or block.step <= self._verified_step.get(
+                block.request_id, -1
+            ):
                 self.stats.stale += 1
                 return False
             if key in self._blocks:
@@ -57,7 +68,7 @@ class BlockInbox:
             self.stats.invalid += 1
             label = reason.split(":")[0][:60]
             self.stats.invalid_reasons[label] = self.stats.invalid_reasons.get(label, 0) + 1
-            if request_id:
+            if request_id and not self._ended(request_id):
                 self._invalid.setdefault((request_id, step), Dropped(DropReason.INVALID, reason))
                 self._lock.notify_all()
 
@@ -90,9 +101,19 @@ class BlockInbox:
             return self._reply.pop(key, None)
 
     def forget(self, request_id: str) -> None:
-        """Drop everything about a finished request."""
+        """Drop everything about a finished request; its blocks arriving later are stale."""
         with self._lock:
             for store in (self._blocks, self._invalid, self._reply):
                 for key in [key for key in store if key[0] == request_id]:
                     del store[key]
             self._verified_step.pop(request_id, None)
+            now = time.monotonic()
+            self._finished[request_id] = now
+            while next(iter(self._finished.values())) <= now - FINISHED_TTL_S:  # oldest first
+                del self._finished[next(iter(self._finished))]  # (never empty: this one is new)
+
+    @property
+    def num_held(self) -> int:
+        """Blocks, drop reasons and reply channels held (0 once every request ended)."""
+        with self._lock:
+            return len(self._blocks) + len(self._invalid) + len(self._reply)

@@ -2,6 +2,7 @@
 cluster while faults are injected on a schedule, then checks and a summary table.
 
     python -m tests.chaos.run --profile short|full [--json FILE] [--fuzz-report FILE]
+    python -m tests.chaos.run --soak-s 1800 [--json FILE]   # fault-free: memory per process
 
 The cluster is the real one ``specray cluster up --local`` starts (:mod:`specray.ops.local`):
 a head, two draft nodes and a target node with a TP-2 target group, tiny random models. The
@@ -13,7 +14,9 @@ coordinator or target failed midway from the tokens it delivered); greedy output
 fault-free reference; sampled outputs (top-k 3, two tokens) pass a chi-square test against the
 target's exact distribution, while a negative control (the second token drawn from the first
 position's distribution) is rejected; afterwards no worker holds a request. ``full`` adds a
-soak: steady load without faults, memory and throughput sampled over time.
+soak: steady load without faults, memory and throughput sampled over time; ``--soak-s`` runs
+only a soak of that length (4 clients, no faults) and reports each process's growth
+(:mod:`tests.chaos.soak`) and the requests the workers hold afterwards.
 """
 
 from __future__ import annotations
@@ -386,52 +389,18 @@ def wait_recovered(
     return float("nan")
 
 
-# ---- soak -------------------------------------------------------------------------------
-def cluster_rss_mb(state) -> float:
-    from specray.ops.processes import session_members
-
-    total = 0
-    for pid in session_members(state.sessions()):
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total / 1024
-
-
-def soak(load: Load, state, seconds: float, interval_s: float = 15.0) -> dict:
-    samples = []
-    start = time.monotonic()
-    last, last_done = start, len(load.outcomes)
-    while time.monotonic() - start < seconds:
-        time.sleep(interval_s)
-        now, done = time.monotonic(), len(load.outcomes)
-        window = [o for o in load.outcomes[last_done:done]]
-        tokens = sum(len(o.token_ids) for o in window)
-        errors = sum(o.error is not None for o in window)
-        samples.append(
-            {
-                "t_s": round(now - start, 1),
-                "rss_mb": round(cluster_rss_mb(state), 1),
-                "tokens_per_s": round(tokens / (now - last), 2),
-                "errors": errors,
-            }
-        )
-        log(f"soak {samples[-1]}")
-        last, last_done = now, done
-    return {"samples": samples}
-
-
 # ---- the run ------------------------------------------------------------------------------
-def run(profile_name: str, fuzz_report: Path | None) -> dict:
+def run(profile_name: str, fuzz_report: Path | None, soak_s: float = 0) -> dict:
     import ray
 
     from specray.ops import local
+    from tests.chaos.soak import growth, soak
     from tests.e2e.test_cluster_local import free_port
 
     profile = PROFILES[profile_name]
+    if soak_s:  # a soak alone: the full profile's load, no faults
+        profile = dict(PROFILES["full"], faults=[], tail_s=0, soak_s=soak_s)
+        profile_name = f"soak-{soak_s:g}s"
     workdir = Path(tempfile.mkdtemp(prefix="specray-chaos-"))
     grpc_port, http_port = free_port(), free_port()
     target, draft = make_models(workdir)
@@ -461,6 +430,7 @@ def run(profile_name: str, fuzz_report: Path | None) -> dict:
         if profile["soak_s"]:
             log(f"soak: {profile['soak_s']} s of steady load, no faults")
             report["soak"] = soak(load, state, profile["soak_s"])
+            report["soak_growth"] = growth(report["soak"])
         load.join()
         report.update(check(load, expected, exact, wrong))
         report["held_after"] = held_requests()
@@ -556,7 +526,7 @@ def table(report: dict) -> str:
         ("fuzz cases run", report.get("fuzz_cases", "-")),
         ("5xx seen (fuzzing)", report.get("fuzz_5xx", "-")),
     ]
-    if "soak" in report:
+    if report.get("soak", {}).get("samples"):
         samples = report["soak"]["samples"]
         rows.append(
             ("soak RSS MB first / last", f"{samples[0]['rss_mb']} / {samples[-1]['rss_mb']}")
@@ -568,6 +538,18 @@ def table(report: dict) -> str:
             )
         )
         rows.append(("soak errors", sum(s["errors"] for s in samples)))
+        grown = report.get("soak_growth", {})
+        if grown:
+            rows.append(
+                (
+                    f"soak RSS growth t={grown['from_t_s']}..{grown['to_t_s']} s",
+                    f"{grown['rss_growth_mb']} MB ({grown['mb_per_hour']} MB/h)",
+                )
+            )
+            rows += [
+                (f"  {name}", f"{mb:+} MB")
+                for name, mb in list(grown["per_process_growth_mb"].items())[:6]
+            ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"| {name:<{width}} | {value} |" for name, value in rows)
 
@@ -578,13 +560,16 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--fuzz-report", type=Path, help="fuzzing counts (JSON lines) to add")
     parser.add_argument("--render", type=Path, help="print the table of an earlier --json report")
+    parser.add_argument(
+        "--soak-s", type=float, default=0, help="only a fault-free soak of this many seconds"
+    )
     args = parser.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if args.render is not None:
         report = json.loads(args.render.read_text())
         add_fuzz_counts(report, args.fuzz_report)
     else:
-        report = run(args.profile, args.fuzz_report)
+        report = run(args.profile, args.fuzz_report, args.soak_s)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))
     print(table(report), flush=True)

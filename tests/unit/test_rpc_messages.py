@@ -153,6 +153,19 @@ def test_inbox_first_copy_wins_and_replays_are_stale():
     assert inbox.stats.duplicates == 1 and inbox.stats.stale == 1
 
 
+def test_a_block_arriving_after_its_request_ended_is_not_kept():
+    """A block that missed its round's deadline can come after the request finished: it is
+    stale (kept, it would be held for the life of the process), and so is a drop reason."""
+    inbox = BlockInbox()
+    block = check_block(_honest_block("fp32")[0], VOCAB)
+    assert inbox.put(block, lambda verdict: None) and inbox.num_held == 2  # block, reply
+    inbox.forget("req-1")
+    assert inbox.num_held == 0
+    assert not inbox.put(block, lambda verdict: None)
+    inbox.put_invalid("req-1", 5, "too late anyway")
+    assert inbox.num_held == 0 and inbox.stats.stale == 1
+
+
 def test_inbox_take_waits_until_the_deadline_then_returns_what_arrived():
     inbox = BlockInbox()
     started = time.monotonic()

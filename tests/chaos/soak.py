@@ -1,0 +1,113 @@
+"""The chaos harness's soak: steady load without faults, memory per process and throughput
+sampled over time, and what the workers still hold afterwards (issue 22's "memory that stays
+flat").
+
+Processes are the cluster's (every member of the sessions ``specray cluster up --local``
+started), named by their command line: a Ray actor's ``ray::ClassName``, a Ray daemon's
+executable, Serve's replicas. Growth is measured from the sample at ``warmup_s`` (allocators,
+caches and compiled kernels settle first) to the last.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+SAMPLE_EVERY_S = 15.0
+
+
+def _rss_kb(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None  # exited while we looked
+    return None
+
+
+def _name(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    first = argv[0].decode(errors="replace").strip()
+    if first.startswith("ray::"):
+        return first.split()[0]  # ray::TargetWorker, ray::ServeReplica:specray:Ingress, ...
+    words = [a.decode(errors="replace") for a in argv if a]
+    script = next((w for w in words[1:] if w.endswith(".py")), None)
+    return Path(script or first).name
+
+
+def process_rss_mb(state) -> dict[str, float]:
+    """``name[pid]`` -> resident MB of every live process of the cluster."""
+    from specray.ops.processes import session_members
+
+    out = {}
+    for pid in sorted(session_members(state.sessions())):
+        kb = _rss_kb(pid)
+        if kb is not None:
+            out[f"{_name(pid)}[{pid}]"] = round(kb / 1024, 1)
+    return out
+
+
+def soak(load, state, seconds: float, interval_s: float = SAMPLE_EVERY_S) -> dict:
+    """Sample every ``interval_s`` for ``seconds``: total and per-process RSS, tokens/s and
+    errors of the requests completed in the interval."""
+    samples = []
+    start = time.monotonic()
+    last, last_done = start, len(load.outcomes)
+    while time.monotonic() - start < seconds:
+        time.sleep(interval_s)
+        now, done = time.monotonic(), len(load.outcomes)
+        window = load.outcomes[last_done:done]
+        processes = process_rss_mb(state)
+        samples.append(
+            {
+                "t_s": round(now - start, 1),
+                "rss_mb": round(sum(processes.values()), 1),
+                "tokens_per_s": round(sum(len(o.token_ids) for o in window) / (now - last), 2),
+                "requests": len(window),
+                "errors": sum(o.error is not None for o in window),
+                "processes": processes,
+            }
+        )
+        print(
+            f"[chaos] soak t={samples[-1]['t_s']}s rss={samples[-1]['rss_mb']} MB "
+            f"tokens/s={samples[-1]['tokens_per_s']} errors={samples[-1]['errors']}",
+            flush=True,
+        )
+        last, last_done = now, done
+    return {"samples": samples}
+
+
+def growth(report: dict, warmup_s: float = 120.0, baseline_s: float = 300.0) -> dict:
+    """From the first sample at or after ``warmup_s`` to the last: total RSS growth, per
+    process growth (processes alive at both), and the last sample's tokens/s against the
+    mean over the samples up to ``baseline_s``."""
+    samples = report["samples"]
+    if not samples:
+        return {}
+    first = next((s for s in samples if s["t_s"] >= warmup_s), samples[0])
+    last = samples[-1]
+    per_process = {
+        name: round(last["processes"][name] - mb, 1)
+        for name, mb in first["processes"].items()
+        if name in last["processes"]
+    }
+    early = [s["tokens_per_s"] for s in samples if s["t_s"] <= baseline_s] or [
+        samples[0]["tokens_per_s"]
+    ]
+    baseline = sum(early) / len(early)
+    return {
+        "from_t_s": first["t_s"],
+        "to_t_s": last["t_s"],
+        "rss_growth_mb": round(last["rss_mb"] - first["rss_mb"], 1),
+        "mb_per_hour": round(
+            (last["rss_mb"] - first["rss_mb"]) * 3600 / max(last["t_s"] - first["t_s"], 1), 1
+        ),
+        "per_process_growth_mb": dict(sorted(per_process.items(), key=lambda kv: -kv[1])),
+        "tokens_per_s_baseline": round(baseline, 2),
+        "tokens_per_s_last": last["tokens_per_s"],
+        "errors": sum(s["errors"] for s in samples),
+    }
