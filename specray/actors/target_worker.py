@@ -217,6 +217,7 @@ class TargetWorker:
         fed_before = self.runner.tokens_fed
         items = round_.items
         states, fresh = self.rounds.open(items)
+        self.inbox.open(fresh)
         prefill_started = time.perf_counter()
         # (a request new here goes through prefill even with nothing to cache)
         unready = [

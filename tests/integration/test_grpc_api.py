@@ -333,7 +333,11 @@ def test_structured_outputs(served):
     a plain pair: every output follows its grammar and ends "stop", streamed or not."""
     schema = {
         "type": "object",
-        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+        # bounded both ways: an unbounded integer can outrun max_tokens (cut JSON)
+        "properties": {
+            "ok": {"type": "boolean"},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
         "required": ["ok", "n"],
     }
     grammars = [
@@ -348,9 +352,11 @@ def test_structured_outputs(served):
             for seed in range(3):
                 completion = client.generate(**fields, seed=seed, structured_outputs=grammar)
                 assert completion.finish_reason == "stop" and follows(completion.text)
-            chunks = list(client.stream(**fields, structured_outputs=grammar))
+            chunks = list(client.stream(**fields, seed=3, structured_outputs=grammar))
             text = "".join(chunk.text for chunk in chunks)
-            assert text == chunks[-1].completion.text and follows(text)
+            completion = chunks[-1].completion
+            assert completion.finish_reason == "stop" and text == completion.text
+            assert follows(text)
     assert StructuredOutputs.json_object() == ("json_object", "")
 
 

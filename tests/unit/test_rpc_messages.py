@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from specray.rpc import inbox as inbox_module
 from specray.rpc.inbox import BlockInbox
 from specray.rpc.messages import InvalidMessageError, block_to_pb, check_block
 from specray.sampling import (
@@ -153,17 +154,35 @@ def test_inbox_first_copy_wins_and_replays_are_stale():
     assert inbox.stats.duplicates == 1 and inbox.stats.stale == 1
 
 
-def test_a_block_arriving_after_its_request_ended_is_not_kept():
+def test_a_block_arriving_after_its_request_ended_is_not_kept(monkeypatch):
     """A block that missed its round's deadline can come after the request finished: it is
-    stale (kept, it would be held for the life of the process), and so is a drop reason."""
+    parked, and dropped once parked for PARKED_TTL_S (kept, it would be held for the life of
+    the process); a drop reason for it is not kept at all."""
+    clock = [100.0]
+    monkeypatch.setattr(inbox_module.time, "monotonic", lambda: clock[0])
     inbox = BlockInbox()
     block = check_block(_honest_block("fp32")[0], VOCAB)
     assert inbox.put(block, lambda verdict: None) and inbox.num_held == 2  # block, reply
     inbox.forget("req-1")
     assert inbox.num_held == 0
-    assert not inbox.put(block, lambda verdict: None)
+    assert inbox.put(block, lambda verdict: None) and inbox.num_held == 1  # parked
+    assert not inbox.put(block, lambda verdict: None)  # a copy of a parked block
     inbox.put_invalid("req-1", 5, "too late anyway")
+    clock[0] += inbox_module.PARKED_TTL_S
     assert inbox.num_held == 0 and inbox.stats.stale == 1
+
+
+def test_a_reused_request_id_gets_its_blocks():
+    """A new request may reuse a finished one's id, and its first block may reach the target
+    before the round that opens it: opening adopts the parked block, and its round takes it."""
+    inbox = BlockInbox()
+    block = check_block(_honest_block("fp32")[0], VOCAB)
+    assert inbox.take([("req-1", block.step)], time.monotonic()) == {}
+    inbox.forget("req-1")  # the first request with this id ended
+    assert inbox.put(block, lambda verdict: None)  # the new one's block, before its round
+    inbox.open(["req-1"])
+    assert inbox.take([("req-1", block.step)], time.monotonic())[("req-1", block.step)] is block
+    assert inbox.reply_to(("req-1", block.step)) is not None
 
 
 def test_inbox_take_waits_until_the_deadline_then_returns_what_arrived():
