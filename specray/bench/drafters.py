@@ -178,6 +178,11 @@ def run_drafters_bench(config: DraftersBenchConfig) -> dict:
                 "first_position_acceptance": round(
                     metrics.accepted_per_position[0] / max(metrics.num_drafts, 1), 4
                 ),
+                # rounds that accepted position j over rounds with drafts (vLLM's rate)
+                "acceptance_per_position": [
+                    round(accepted / metrics.num_drafts, 4)
+                    for accepted in metrics.accepted_per_position
+                ],
                 "acceptance_rate": round(metrics.acceptance_rate, 4),
                 "mean_acceptance_length": round(metrics.mean_acceptance_length, 4),
                 "draft_cost_ratio": round(measured["c"], 4),

@@ -18,6 +18,7 @@ Worked example: 10 rounds with drafts, ``accepted_per_position = [8, 5, 2]`` -> 
 
 from __future__ import annotations
 
+from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -112,7 +113,7 @@ def plot_serving_report(report: dict, path: str) -> Figure:
     concurrency, one bar per schedule (target-only, unpipelined, pipelined, the in-process
     Engine); speedup over target-only at the same concurrency, one bar per other schedule;
     acceptance per draft position, one line per (schedule, concurrency) row that drafted
-    (the panel is left out when none did; in-process rows carry no per-position counts)."""
+    (the panel is left out when none did)."""
     rows = report["rows"]
     levels = list(dict.fromkeys(row["concurrency"] for row in rows))
     modes = list(dict.fromkeys(row["mode"] for row in rows))
@@ -175,18 +176,25 @@ def _drafter_label(row: dict) -> str:
     return label if row["matches_target_only"] else f"{label} (output differs)"
 
 
+def _measured_positions(row: dict) -> list[float]:
+    """A drafters row's measured acceptance per position (the first only in older reports)."""
+    return row.get("acceptance_per_position") or [row["first_position_acceptance"]]
+
+
 def plot_drafters_report(report: dict, path: str) -> Figure:
     """The drafters bench (``--drafters``). Panels, top to bottom, one bar group per drafter at
-    the k it ran with: tokens/s (target-only included); speedup over target-only; acceptance:
-    measured at the first position, and α, the per-position rate fitted to the mean acceptance
-    length (the report counts nothing beyond the first position); and, when the run had
-    ``--pipelined-top``, tokens/s through the coordinator per schedule."""
+    the k it ran with: tokens/s (target-only included); speedup over target-only; acceptance
+    per draft position as measured, one bar per position, and α, the per-position rate fitted
+    to the mean acceptance length (reports made before per-position counts show the first
+    position only); and, when the run had ``--pipelined-top``, tokens/s through the
+    coordinator per schedule."""
     rows = report["rows"]
     drafted = [row for row in rows if row["draft"] != "none"]
     measured = [row for row in drafted if "alpha" in row]
     pipelined = report.get("pipelined") or []
     bars_per_panel = [len(rows), len(drafted)]
-    bars_per_panel += [2 * len(measured)] if measured else []
+    positions = max((len(_measured_positions(row)) for row in measured), default=0)
+    bars_per_panel += [(positions + 1) * len(measured)] if measured else []
     bars_per_panel += [3 * len(pipelined)] if pipelined else []
     heights = [1.4 + BAR_HEIGHT_IN * bars for bars in bars_per_panel]
     figure = _new_figure(8 + LEGEND_WIDTH_IN, sum(heights))
@@ -224,15 +232,21 @@ def plot_drafters_report(report: dict, path: str) -> Figure:
     if measured:
         acceptance = axes.pop(0)
         values = {
-            "first position (measured)": [row["first_position_acceptance"] for row in measured],
-            "α per position (fitted to E)": [row["alpha"] for row in measured],
+            f"position {j + 1} (measured)": [
+                (rates[j] if j < len(rates) else None)
+                for rates in map(_measured_positions, measured)
+            ]
+            for j in range(positions)
         }
+        values["α per position (fitted to E)"] = [row["alpha"] for row in measured]
+        shade = colormaps["Purples"]
+        colors = [shade(0.9 - 0.5 * j / max(positions, 1)) for j in range(positions)]
         _grouped_bars(
             acceptance,
             [_drafter_label(row) for row in measured],
             values,
             horizontal=True,
-            colors=dict(zip(values, ("tab:purple", "tab:cyan"), strict=True)),
+            colors=dict(zip(values, [*colors, "tab:cyan"], strict=True)),
         )
         acceptance.set_xlim(0.0, 1.15)
         acceptance.set_xlabel("acceptance (fraction of rounds with drafts)")

@@ -324,6 +324,7 @@ def _in_process_row(config: ServingBenchConfig, concurrency: int, prompts, param
         "acceptance_rate": metrics.acceptance_rate,
         "mean_acceptance_length": metrics.mean_acceptance_length,
         "num_speculative_tokens": engine.num_speculative_tokens,
+        "metrics": metrics.to_dict(),  # the per-position counts, as the distributed rows
     }
 
 

@@ -550,6 +550,13 @@ def table(report: dict) -> str:
                 (f"  {name}", f"{mb:+} MB")
                 for name, mb in list(grown["per_process_growth_mb"].items())[:6]
             ]
+            rows.append(
+                (
+                    "soak tokens/s per 5 minutes",
+                    f"{grown['tokens_per_s_windows']} "
+                    f"(worst {grown['tokens_per_s_worst_change']:+.1%} of the first)",
+                )
+            )
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"| {name:<{width}} | {value} |" for name, value in rows)
 

@@ -83,8 +83,9 @@ def soak(load, state, seconds: float, interval_s: float = SAMPLE_EVERY_S) -> dic
 
 def growth(report: dict, warmup_s: float = 120.0, baseline_s: float = 300.0) -> dict:
     """From the first sample at or after ``warmup_s`` to the last: total RSS growth, per
-    process growth (processes alive at both), and the last sample's tokens/s against the
-    mean over the samples up to ``baseline_s``."""
+    process growth (processes alive at both), and throughput per ``baseline_s`` window (the
+    samples ending in it, by their request-weighted rate) against the first window. A 15 s
+    sample swings by a third on a shared machine; a 5-minute window does not."""
     samples = report["samples"]
     if not samples:
         return {}
@@ -95,10 +96,8 @@ def growth(report: dict, warmup_s: float = 120.0, baseline_s: float = 300.0) -> 
         for name, mb in first["processes"].items()
         if name in last["processes"]
     }
-    early = [s["tokens_per_s"] for s in samples if s["t_s"] <= baseline_s] or [
-        samples[0]["tokens_per_s"]
-    ]
-    baseline = sum(early) / len(early)
+    windows = throughput_windows(samples, baseline_s)
+    baseline = windows[0]
     return {
         "from_t_s": first["t_s"],
         "to_t_s": last["t_s"],
@@ -107,7 +106,33 @@ def growth(report: dict, warmup_s: float = 120.0, baseline_s: float = 300.0) -> 
             (last["rss_mb"] - first["rss_mb"]) * 3600 / max(last["t_s"] - first["t_s"], 1), 1
         ),
         "per_process_growth_mb": dict(sorted(per_process.items(), key=lambda kv: -kv[1])),
-        "tokens_per_s_baseline": round(baseline, 2),
+        "tokens_per_s_baseline": baseline,
         "tokens_per_s_last": last["tokens_per_s"],
+        "tokens_per_s_windows": windows,
+        # the window furthest from the first, as a signed share of it
+        "tokens_per_s_worst_change": round(
+            max((w / baseline - 1 for w in windows), key=abs) if baseline else 0.0, 3
+        ),
         "errors": sum(s["errors"] for s in samples),
     }
+
+
+def throughput_windows(samples: list[dict], window_s: float) -> list[float]:
+    """Tokens/s per ``window_s`` window of the run, each from its samples' tokens and
+    seconds (a sample belongs to the window it ends in; a last window shorter than half a
+    window joins the one before)."""
+    totals: dict[int, list[float]] = {}  # window -> [tokens, seconds]
+    previous = 0.0
+    for sample in samples:
+        seconds = sample["t_s"] - previous
+        previous = sample["t_s"]
+        index = max(int((sample["t_s"] - 1e-9) // window_s), 0)
+        total = totals.setdefault(index, [0.0, 0.0])
+        total[0] += sample["tokens_per_s"] * seconds
+        total[1] += seconds
+    ordered = [totals[index] for index in sorted(totals)]
+    if len(ordered) > 1 and ordered[-1][1] < window_s / 2:
+        tokens, seconds = ordered.pop()
+        ordered[-1][0] += tokens
+        ordered[-1][1] += seconds
+    return [round(tokens / seconds, 2) for tokens, seconds in ordered if seconds > 0]

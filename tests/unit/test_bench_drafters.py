@@ -57,6 +57,10 @@ def test_tiny_run_records_a_winner_that_auto_resolves_to(tmp_path):
     assert all(row["matches_target_only"] for row in rows.values())
     assert 1 <= rows["self:int8"]["k"] <= 3
     assert 0.0 <= rows["self:int8"]["alpha"] <= 1.0
+    per_position = rows["self:int8"]["acceptance_per_position"]
+    assert len(per_position) == rows["self:int8"]["k"]  # one rate per drafted position
+    assert per_position[0] == rows["self:int8"]["first_position_acceptance"]
+    assert per_position == sorted(per_position, reverse=True)  # position j+1 needs j
     assert rows["self:int8"]["draft_profile"]["forward_ms_per_step"] > 0
     assert report["winner"]["draft"] in rows
     path = record_winner(target, report, tmp_path / "drafters.json")

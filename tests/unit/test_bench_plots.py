@@ -135,6 +135,18 @@ def test_serving_plot_without_drafts_has_no_acceptance_panel_and_widens_with_lev
 # --- the drafters bench (specray.bench.drafters.run_drafters_bench) ---
 
 
+def test_drafters_plot_of_a_report_without_per_position_counts(tmp_path):
+    """Reports written before the rows carried per-position counts: the first position."""
+    report = drafters_report(pipelined=False)
+    for row in report["rows"]:
+        row.pop("acceptance_per_position", None)
+    figure = plot_drafters_report(report, str(tmp_path / "old.png"))
+    assert bar_counts(figure.axes[2]) == {
+        "position 1 (measured)": 2,
+        "α per position (fitted to E)": 2,
+    }
+
+
 def drafter_row(draft: str, k: int, tokens_per_s: float, baseline_tps: float, metrics) -> dict:
     """A row as ``run_drafters_bench`` builds it from the measured counters."""
     row = {
@@ -152,6 +164,10 @@ def drafter_row(draft: str, k: int, tokens_per_s: float, baseline_tps: float, me
             "first_position_acceptance": round(
                 metrics.accepted_per_position[0] / max(metrics.num_drafts, 1), 4
             ),
+            "acceptance_per_position": [
+                round(accepted / metrics.num_drafts, 4)
+                for accepted in metrics.accepted_per_position
+            ],
             "acceptance_rate": round(metrics.acceptance_rate, 4),
             "mean_acceptance_length": round(metrics.mean_acceptance_length, 4),
             "draft_profile": None,
@@ -211,13 +227,19 @@ def test_drafters_plot_bars_per_drafter(tmp_path, pipelined):
     ]
     assert bar_heights(throughput, "tokens/s", horizontal=True) == [20.0, 26.0, 31.0, 18.0]
     assert bar_heights(speedup, "speedup", horizontal=True) == [1.3, 1.55, 0.9]
-    # Acceptance only for the drafters that drafted: measured first position, fitted α.
+    # Acceptance only for the drafters that drafted: measured per position (ngram drafted 4,
+    # self:int8 3), fitted α.
     assert bar_counts(acceptance) == {
-        "first position (measured)": 2,
+        "position 1 (measured)": 2,
+        "position 2 (measured)": 2,
+        "position 3 (measured)": 2,
+        "position 4 (measured)": 1,
         "α per position (fitted to E)": 2,
     }
-    first = bar_heights(acceptance, "first position (measured)", horizontal=True)
+    first = bar_heights(acceptance, "position 1 (measured)", horizontal=True)
     assert first == pytest.approx([2 / 3, 1.0], abs=1e-4)  # rounded to 4 places
+    third = bar_heights(acceptance, "position 3 (measured)", horizontal=True)
+    assert third == pytest.approx([1 / 3, 0.5], abs=1e-4)
     if pipelined:
         served = figure.axes[3]
         assert bar_counts(served) == {"target-only": 2, "unpipelined": 2, "pipelined": 2}

@@ -1,7 +1,7 @@
 """The soak report's arithmetic (tests/chaos/soak.py): growth from the first sample after the
 warm-up to the last, per process, and the throughput baseline."""
 
-from tests.chaos.soak import growth
+from tests.chaos.soak import growth, throughput_windows
 
 
 def _sample(t_s, processes, tokens_per_s=10.0, errors=0):
@@ -27,8 +27,20 @@ def test_growth_counts_from_the_warm_up_and_per_process():
     assert grown["mb_per_hour"] == 96.0  # 48 MB over 1800 s
     # c started after the warm-up sample: not compared; the largest growth first
     assert grown["per_process_growth_mb"] == {"a[1]": 40.0, "b[2]": -1.0}
-    assert grown["tokens_per_s_baseline"] == 10.0  # samples up to 300 s
+    # the first window: 8/s for 60 s, 10/s for 60 s, 12/s for 180 s
+    assert grown["tokens_per_s_baseline"] == (480 + 600 + 2160) / 300
     assert grown["tokens_per_s_last"] == 9.0 and grown["errors"] == 1
+    # the last sample stands for 1620 s: windows 300-600, ..., 1800-2100 hold only it,
+    # and it ends in the 1800-2100 window, which therefore holds all of it
+    assert grown["tokens_per_s_windows"] == [10.8, 9.0]
+    assert grown["tokens_per_s_worst_change"] == round(9.0 / 10.8 - 1, 3)
+
+
+def test_throughput_windows_weigh_by_time_and_fold_a_short_tail():
+    samples = [{"t_s": t, "tokens_per_s": rate} for t, rate in [(150, 10), (300, 20), (450, 30)]]
+    assert throughput_windows(samples, 300) == [15.0, 30.0]
+    samples.append({"t_s": 500, "tokens_per_s": 90})  # 50 s: under half a window, folded
+    assert throughput_windows(samples, 300) == [15.0, (30 * 150 + 90 * 50) / 200]
 
 
 def test_no_samples_no_growth():
