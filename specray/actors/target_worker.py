@@ -163,7 +163,7 @@ class TargetWorker:
 
         core.call(reset(), timeout_s=30)
 
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="control", enable_task_events=False)  # polled: no events
     def engine_core_stats(self) -> dict:
         """The coordinator's totals and the per-round message counters (benchmarks, tests)."""
         core = self.engine_core
@@ -329,7 +329,7 @@ class TargetWorker:
             self.rounds.forget(request_id)
             self.inbox.forget(request_id)
 
-    @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="control", enable_task_events=False)  # polled: no events
     def ping(self) -> None:
         """Answers at once (control group): the coordinator times it as the network RTT."""
 

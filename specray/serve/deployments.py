@@ -163,7 +163,7 @@ class DraftWorkerDeployment:
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 await self._register()
-                stats = await self.actor.stats.remote()
+                stats = await self.actor.stats.options(enable_task_events=False).remote()
             except Exception as error:
                 log.warning("draft worker heartbeat failed: %s", error)
                 continue
@@ -179,7 +179,9 @@ class DraftWorkerDeployment:
         return draft_worker_stats(draft_utilization=self.utilization)
 
     async def check_health(self) -> None:
-        await asyncio.wait_for(self.actor.stats.remote(), timeout=20)
+        await asyncio.wait_for(
+            self.actor.stats.options(enable_task_events=False).remote(), timeout=20
+        )
 
     async def status(self) -> dict:
         return {"worker_id": self.worker_id, "address": self.address, "util": self.utilization}

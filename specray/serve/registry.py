@@ -151,6 +151,9 @@ def get_registry(app_name: str):
             get_if_exists=True,
             num_cpus=0,
             max_restarts=-1,
+            # Heartbeats and polls call it several times a second for the life of the app:
+            # each call's task events would be kept by the GCS (docs/bench/soak-2026-12-03.md)
+            enable_task_events=False,
         )
         .remote()
     )

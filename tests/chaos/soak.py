@@ -32,8 +32,9 @@ def _name(pid: int) -> str:
     except OSError:
         return "?"
     first = argv[0].decode(errors="replace").strip()
-    if first.startswith("ray::"):
-        return first.split()[0]  # ray::TargetWorker, ray::ServeReplica:specray:Ingress, ...
+    if first.startswith("ray::") or (" " in first and not first.startswith("/")):
+        # ray::TargetWorker, ray::ServeReplica:specray:Ingress, ray-dashboard-NodeHead-0 (...)
+        return first.split()[0]
     words = [a.decode(errors="replace") for a in argv if a]
     script = next((w for w in words[1:] if w.endswith(".py")), None)
     return Path(script or first).name
