@@ -554,7 +554,8 @@ def table(report: dict) -> str:
                 (
                     "soak tokens/s per 5 minutes",
                     f"{grown['tokens_per_s_windows']} "
-                    f"(worst {grown['tokens_per_s_worst_change']:+.1%} of the first)",
+                    f"(worst {grown['tokens_per_s_worst_change']:+.1%} of the first; "
+                    f"trend {grown['tokens_per_s_trend']:+.1%} over the run)",
                 )
             )
     width = max(len(name) for name, _ in rows)

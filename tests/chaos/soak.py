@@ -114,8 +114,25 @@ def growth(report: dict, warmup_s: float = 120.0, baseline_s: float = 300.0) -> 
         "tokens_per_s_worst_change": round(
             max((w / baseline - 1 for w in windows), key=abs) if baseline else 0.0, 3
         ),
+        "tokens_per_s_trend": throughput_trend([s for s in samples if s["t_s"] >= first["t_s"]]),
         "errors": sum(s["errors"] for s in samples),
     }
+
+
+def throughput_trend(samples: list[dict]) -> float:
+    """The least-squares line through the samples' tokens/s over time: its change from the
+    first sample's time to the last, as a share of the line's mean (negative: throughput
+    fell). Noise of single samples averages out; a steady fall does not."""
+    if len(samples) < 2:
+        return 0.0
+    times = [s["t_s"] for s in samples]
+    rates = [s["tokens_per_s"] for s in samples]
+    mean_t, mean_r = sum(times) / len(times), sum(rates) / len(rates)
+    spread = sum((t - mean_t) ** 2 for t in times)
+    if not spread or not mean_r:
+        return 0.0
+    slope = sum((t - mean_t) * (r - mean_r) for t, r in zip(times, rates, strict=True)) / spread
+    return round(slope * (times[-1] - times[0]) / mean_r, 3)
 
 
 def throughput_windows(samples: list[dict], window_s: float) -> list[float]:

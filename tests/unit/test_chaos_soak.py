@@ -1,7 +1,7 @@
 """The soak report's arithmetic (tests/chaos/soak.py): growth from the first sample after the
 warm-up to the last, per process, and the throughput baseline."""
 
-from tests.chaos.soak import growth, throughput_windows
+from tests.chaos.soak import growth, throughput_trend, throughput_windows
 
 
 def _sample(t_s, processes, tokens_per_s=10.0, errors=0):
@@ -45,3 +45,17 @@ def test_throughput_windows_weigh_by_time_and_fold_a_short_tail():
 
 def test_no_samples_no_growth():
     assert growth({"samples": []}) == {}
+
+
+def test_the_trend_sees_a_steady_fall_through_noise():
+    """A line from 200 to 150 tokens/s over 1500 s (-25 % of its mean, 175) under +-30
+    alternating noise; flat noise has no trend."""
+    falling = [
+        {"t_s": t, "tokens_per_s": 200 - 50 * t / 1500 + (30 if i % 2 else -30)}
+        for i, t in enumerate(range(0, 1515, 15))
+    ]
+    assert abs(throughput_trend(falling) - (-50 / 175)) < 0.01
+    flat = [{"t_s": t, "tokens_per_s": 175 + (30 if i % 2 else -30)} for i, t in
+            enumerate(range(0, 1515, 15))]  # fmt: skip
+    assert abs(throughput_trend(flat)) < 0.01
+    assert throughput_trend(flat[:1]) == 0.0
