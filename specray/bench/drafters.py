@@ -124,6 +124,23 @@ def _measure(engine: Engine, prompts, params, step_s: float) -> dict:
     return out
 
 
+def acceptance_fields(metrics, k: int) -> dict:
+    """A drafters row's acceptance, from a run's counters (it drafted at least once): α fitted
+    to the mean acceptance length at k, the first position's and every position's acceptance
+    (rounds that accepted position j over rounds with drafts, vLLM's rate), the rate and E."""
+    return {
+        "alpha": round(acceptance_from_mean_length(metrics.mean_acceptance_length, k), 4),
+        "first_position_acceptance": round(
+            metrics.accepted_per_position[0] / max(metrics.num_drafts, 1), 4
+        ),
+        "acceptance_per_position": [
+            round(accepted / metrics.num_drafts, 4) for accepted in metrics.accepted_per_position
+        ],
+        "acceptance_rate": round(metrics.acceptance_rate, 4),
+        "mean_acceptance_length": round(metrics.mean_acceptance_length, 4),
+    }
+
+
 def run_drafters_bench(config: DraftersBenchConfig) -> dict:
     prompts = [item["prompt"] for item in load_prompts(config.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=config.max_tokens, seed=0)
@@ -173,18 +190,7 @@ def run_drafters_bench(config: DraftersBenchConfig) -> dict:
             sync_bound = sum(measured["alpha"] ** i for i in range(k + 1)) / (
                 ratios[k] + k * measured["c"]
             )
-            row |= {
-                "alpha": round(measured["alpha"], 4),
-                "first_position_acceptance": round(
-                    metrics.accepted_per_position[0] / max(metrics.num_drafts, 1), 4
-                ),
-                # rounds that accepted position j over rounds with drafts (vLLM's rate)
-                "acceptance_per_position": [
-                    round(accepted / metrics.num_drafts, 4)
-                    for accepted in metrics.accepted_per_position
-                ],
-                "acceptance_rate": round(metrics.acceptance_rate, 4),
-                "mean_acceptance_length": round(metrics.mean_acceptance_length, 4),
+            row |= acceptance_fields(metrics, k) | {
                 "draft_cost_ratio": round(measured["c"], 4),
                 "verify_ratio": round(ratios[k], 3),
                 "sync_bound": round(sync_bound, 3),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from abc import ABC, abstractmethod
 
 from specray.serve.openai_structured import ToolCalling
 
@@ -40,7 +41,7 @@ def tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:TOOL_CALL_ID_HEX]}"
 
 
-class ToolCallParser:
+class ToolCallParser(ABC):
     """One choice's text in, as generated; content and tool-call deltas out.
 
     Subclasses grow ``calls`` (OpenAI's ``{"id", "type", "function": {"name", "arguments"}}``)
@@ -64,9 +65,9 @@ class ToolCallParser:
         return content, self._deltas()
 
     @property
+    @abstractmethod
     def complete(self) -> bool:
         """Whether the output holds its calls whole (its grammar, or its last block, ended)."""
-        raise NotImplementedError
 
     def finish_reason(self, reason: str) -> str:
         return "tool_calls" if reason == "stop" and self.calls and self.complete else reason
@@ -79,8 +80,9 @@ class ToolCallParser:
             message["tool_calls"] = self.calls
         return message
 
+    @abstractmethod
     def _read(self, text: str) -> str:
-        raise NotImplementedError
+        """Take ``text`` (appended to the output): grow ``calls``; return the new content."""
 
     def _end(self) -> str:
         return ""

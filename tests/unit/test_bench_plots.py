@@ -9,7 +9,8 @@ import struct
 import pytest
 
 from specray import cli
-from specray.bench.main import _row, acceptance_from_mean_length
+from specray.bench.drafters import acceptance_fields
+from specray.bench.main import _row
 from specray.bench.plots import (
     DPI,
     plot_bench_report,
@@ -159,19 +160,7 @@ def drafter_row(draft: str, k: int, tokens_per_s: float, baseline_tps: float, me
         "calibration_bound": 1.4,
     }
     if metrics.num_draft_tokens:
-        row |= {
-            "alpha": round(acceptance_from_mean_length(metrics.mean_acceptance_length, k), 4),
-            "first_position_acceptance": round(
-                metrics.accepted_per_position[0] / max(metrics.num_drafts, 1), 4
-            ),
-            "acceptance_per_position": [
-                round(accepted / metrics.num_drafts, 4)
-                for accepted in metrics.accepted_per_position
-            ],
-            "acceptance_rate": round(metrics.acceptance_rate, 4),
-            "mean_acceptance_length": round(metrics.mean_acceptance_length, 4),
-            "draft_profile": None,
-        }
+        row |= acceptance_fields(metrics, k) | {"draft_profile": None}
     return row
 
 
