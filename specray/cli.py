@@ -46,6 +46,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (bfloat16 on CUDA, float32 on the CPU) | float32 | bfloat16 | float16",
     )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="the target's logits for a token identical in any batch and with or without "
+        "speculation (slower)",
+    )
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -264,6 +270,7 @@ def _generate(args: argparse.Namespace) -> int:
         tp_size=args.tp_size,
         device=args.device,
         dtype=args.dtype,
+        batch_invariant=args.batch_invariant,
     )
     try:
         started = time.perf_counter()

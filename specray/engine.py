@@ -83,6 +83,10 @@ class Engine:
         or ``"cuda:N"``; an unavailable device fails here, naming it. Distributed workers take
         the GPUs Ray gives them. ``dtype``: ``"auto"`` (bfloat16 on CUDA, float32 on the CPU),
         ``"float32"``, ``"bfloat16"`` or ``"float16"``, for the target loaded from files.
+    batch_invariant: the target computes each token's logits bitwise the same whatever else
+        its forward holds (one token or a verified block, alone or in a batch): outputs and
+        log-probabilities are then identical with and without speculation; slower
+        (specray/models/batch_invariant.py).
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class Engine:
         coordinator: CoordinatorConfig | None = None,
         device: str = "auto",
         dtype: str = "auto",
+        batch_invariant: bool = False,
     ):
         try:
             check_device_spec(device)
@@ -121,6 +126,10 @@ class Engine:
             raise EngineInputError(f"max_batch_size must be an integer, got {max_batch_size!r}")
         if max_batch_size < 1:
             raise EngineInputError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if not isinstance(batch_invariant, bool):
+            raise EngineInputError(
+                f"batch_invariant must be True or False, got {batch_invariant!r}"
+            )
         encoding = DraftProbsEncoding.parse(draft_probs_encoding)
         self.max_batch_size = max_batch_size
         self.timing = EngineTiming()
@@ -146,6 +155,8 @@ class Engine:
                     placement = replace(placement or PlacementConfig(), device=device)
                 except ValueError as error:
                     raise EngineInputError(str(error)) from None
+            if batch_invariant:
+                placement = replace(placement or PlacementConfig(), batch_invariant=True)
             self._init_distributed(
                 target, draft, cluster, tp_size, draft_probs_encoding, placement,
                 num_draft_workers, config,
@@ -166,7 +177,7 @@ class Engine:
         else:
             raise EngineInputError(f"target must be a string or a model, got {target!r}")
         self.tokenizer = loaded.tokenizer
-        self.target = ModelRunner(loaded.model)
+        self.target = ModelRunner(loaded.model, batch_invariant=batch_invariant)
         self.vocab_size = self.target.vocab_size
         self.max_positions = getattr(loaded.model.config, "max_position_embeddings", None)
         self.eos_token_ids = eos_token_ids(loaded.model, self.tokenizer)

@@ -67,6 +67,7 @@ class TargetWorker:
         verifier_host: str | None = None,  # where drafts connect; None: this node's address
         keep_features: bool = False,  # a feature-conditioned draft: verdicts carry h rows
         device: str = "auto",  # specray/models/device.py; the GPU is the one Ray gave
+        batch_invariant: bool = False,  # specray/models/batch_invariant.py
     ):
         torch.set_num_threads(num_threads)
         self.rank, self.world_size = rank, world_size
@@ -81,7 +82,7 @@ class TargetWorker:
             loaded = load_model_shard(target, rank, world_size, device=self.device, dtype=dtype)
         else:
             loaded = load_model(target, param="target", device=self.device)
-        self.runner = ModelRunner(loaded.model)
+        self.runner = ModelRunner(loaded.model, batch_invariant=batch_invariant)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = eos_token_ids(loaded.model, loaded.tokenizer)
         self.address = None

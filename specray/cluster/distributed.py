@@ -117,6 +117,7 @@ class TargetGroup:
                 placement.num_threads,
                 keep_features=keep_features,
                 device=placement.device,
+                batch_invariant=placement.batch_invariant,
             )
             for rank in range(tp_size)
         ]

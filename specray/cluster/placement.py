@@ -22,6 +22,10 @@ class PlacementConfig:
     # Where workers run their models (specray/models/device.py): "auto" takes the GPUs Ray
     # gives a worker (the *_num_gpus above), else the CPU; "cuda" requires them.
     device: str = "auto"
+    # Targets compute each token's logits bitwise the same whatever else a forward holds
+    # (specray/models/batch_invariant.py): the same log-probabilities with and without
+    # speculation and in any batch; costs time.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         check_device_spec(self.device)
@@ -51,6 +55,8 @@ class PlacementConfig:
             raise ValueError(f"num_threads must be an integer, got {self.num_threads!r}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
 
     @classmethod
     def from_dict(cls, values: dict) -> PlacementConfig:

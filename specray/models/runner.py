@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specray.models.batch_invariant import make_batch_invariant
 from specray.models.device import DeviceTimer
 from specray.models.linears import tune_decoder_linears, tune_head
 from specray.models.slot_cache import SlotCache
@@ -81,7 +82,9 @@ def require_plain_head(model: torch.nn.Module, needed_by: str) -> None:
 class ModelRunner:
     """Owns a model and the KV caches of the sequences it serves."""
 
-    def __init__(self, model: torch.nn.Module, *, tune: bool = True):
+    def __init__(self, model: torch.nn.Module, *, tune: bool = True, batch_invariant: bool = False):
+        """``batch_invariant``: a token's logits bitwise the same whatever else its forward
+        holds (models/batch_invariant.py); no kernel tuning then."""
         config = model.config
         if config.model_type not in SUPPORTED_TYPES:
             raise ValueError(
@@ -92,7 +95,11 @@ class ModelRunner:
         # Every tensor of a forward lives here; inputs are staged on the host and copied once.
         self.device = next(model.parameters()).device
         on_cpu = self.device.type == "cpu"
-        if config._attn_implementation == "sdpa" and on_cpu:
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            make_batch_invariant(model)
+            tune = False
+        elif config._attn_implementation == "sdpa" and on_cpu:
             # (a feature-conditioned draft wraps a transformers decoder: switch that)
             owner = model if hasattr(model, "set_attn_implementation") else model.get_decoder()
             owner.set_attn_implementation(GROUPED_SDPA)

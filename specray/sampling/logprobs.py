@@ -33,6 +33,23 @@ class TokenLogprob:
     top_logprobs: tuple[float, ...]
 
 
+LSE_CHUNK = 256  # entries of a row summed together (row_logsumexp)
+
+
+def row_logsumexp(rows: torch.Tensor) -> torch.Tensor:
+    """``[m, vocab]`` -> ``[m, 1]``: log Σ exp of each row, summed in chunks of LSE_CHUNK
+    entries and then chunk by chunk, so that a row gets the same bits however many rows come
+    with it (``torch.logsumexp`` splits a lone long row across threads, but not one of several
+    rows, and rounds differently: a verified block's log-probabilities would differ from one
+    token's at the last bit)."""
+    count, vocab = rows.shape
+    top = rows.amax(dim=1, keepdim=True)  # [m, 1]: exact in any order
+    chunks = -(-vocab // LSE_CHUNK)
+    shifted = torch.nn.functional.pad(torch.exp(rows - top), (0, chunks * LSE_CHUNK - vocab))
+    sums = shifted.view(count, chunks, LSE_CHUNK).sum(dim=2).sum(dim=1, keepdim=True)
+    return top + torch.log(sums)
+
+
 def scored_rows(
     rows: torch.Tensor, token_ids: torch.Tensor, width: int, *, probs: bool = False
 ) -> torch.Tensor:
@@ -48,7 +65,7 @@ def scored_rows(
     if probs:
         chosen, values = torch.log(chosen), torch.log(values)  # 0 -> -inf
     else:
-        normaliser = torch.logsumexp(rows, dim=1, keepdim=True)  # [m, 1]
+        normaliser = row_logsumexp(rows)  # [m, 1]
         chosen, values = chosen - normaliser, values - normaliser
     ids = top.indices if top is not None else token_ids[:, None][:, :0]
     # ids < 2**53: exact in float64

@@ -53,6 +53,12 @@ def add_app_arguments(parser) -> None:
     )
     for name, kind in _APP_FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None)
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        default=None,
+        help="identical logits for a token in any batch, with or without speculation (slower)",
+    )
     parser.add_argument("--http-host", default="127.0.0.1", help="0.0.0.0 to listen publicly")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument(
@@ -80,6 +86,8 @@ def load_app_config(args: argparse.Namespace) -> dict:
         if not isinstance(loaded, dict):
             raise ValueError(f"--config: expected a mapping, got {type(loaded).__name__}")
     overrides = {name: getattr(args, name) for name in _APP_FLAGS if getattr(args, name)}
+    if getattr(args, "batch_invariant", None):
+        overrides["batch_invariant"] = True
     if os.environ.get("SPECRAY_AUTH_TOKEN") and "auth_token" not in overrides:
         overrides["auth_token"] = os.environ["SPECRAY_AUTH_TOKEN"]
     for item in args.extra:

@@ -63,6 +63,9 @@ class AppArgs(BaseModel):
     # Where workers run their models: auto | cpu | cuda | cuda:N (specray/models/device.py);
     # "auto" takes the GPUs the *_num_gpus above reserve, and the CPU without them.
     device: str = "auto"
+    # Targets compute a token's logits bitwise the same in any batch, with and without
+    # speculation (identical logprobs; slower: specray/models/batch_invariant.py).
+    batch_invariant: bool = False
     # Front ends.
     grpc_port: int | None = Field(DEFAULT_GRPC_PORT, ge=0, le=65535)  # None: no gRPC API
     auth_token: str | None = None  # bearer token both APIs require (health checks excepted)
@@ -166,4 +169,5 @@ class AppArgs(BaseModel):
             target_num_gpus=self.target_num_gpus,
             num_threads=self.num_threads,
             device=self.device,
+            batch_invariant=self.batch_invariant,
         )

@@ -321,6 +321,7 @@ class LocalBackend(CoordinatorService):
         config: CoordinatorConfig | None = None,
         num_draft_workers: int = 1,
         draft_probs_encoding: str = "fp32",
+        batch_invariant: bool = False,
     ) -> LocalBackend:
         import asyncio
 
@@ -335,7 +336,10 @@ class LocalBackend(CoordinatorService):
         loop = asyncio.get_running_loop()
         info = await loop.run_in_executor(None, load_model_info, target)
         worker = await loop.run_in_executor(
-            None, lambda: TargetWorker(target, 0, 1, "", verifier_host="127.0.0.1")
+            None,
+            lambda: TargetWorker(
+                target, 0, 1, "", verifier_host="127.0.0.1", batch_invariant=batch_invariant
+            ),
         )
         drafts = []
         if draft is not None:

@@ -97,17 +97,18 @@ def test_an_in_process_engine_on_the_cpu_runs_there():
     assert engine.target.device == torch.device("cpu")
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch-invariant"])
 @pytest.mark.parametrize(
     "model_class,config_class", [(LlamaForCausalLM, LlamaConfig), (Qwen2ForCausalLM, Qwen2Config)]
 )
-def test_every_runner_tensor_lives_on_the_model_device(model_class, config_class):
+def test_every_runner_tensor_lives_on_the_model_device(model_class, config_class, batch_invariant):
     """Prefill, ragged decoding, a rollback, rows moved by a removal, a cache that grows and
     one imported from another runner: all on the meta device, logits included."""
     config = config_class(**TINY)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = model_class(config).eval()
-    runner = ModelRunner(model, tune=False)
+    runner = ModelRunner(model, tune=False, batch_invariant=batch_invariant)
     assert runner.device == torch.device("meta")
     logits = runner.forward({"a": list(range(1, 9)), "b": [3, 4, 5]}, {"a": 1, "b": 3})
     assert {seq_id: (rows.device.type, rows.shape[0]) for seq_id, rows in logits.items()} == {

@@ -16,6 +16,7 @@ import torch
 from specray import Engine
 from specray.sampling import LogitsPipeline, SamplingParams, SamplingParamsError
 from specray.sampling.logprobs import TokenLogprob, token_logprobs
+from tests.helpers.logprob_gaps import largest_gap
 from tests.helpers.tiny_models import perturbed_copy, tiny_llama
 
 VOCAB_SIZE = 96
@@ -183,3 +184,32 @@ def test_bad_logprob_parameters_are_refused_by_name(field, value):
     with pytest.raises(SamplingParamsError) as caught:
         SamplingParams(**{field: value})
     assert caught.value.param == field and repr(value) in str(caught.value)
+
+
+def _worst_difference_with_and_without_speculation(batch_invariant: bool) -> tuple[float, int]:
+    """The largest |difference| between any log-probability (chosen, top, prompt) of the same
+    greedy requests with and without speculation, and the drafted tokens accepted."""
+    shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+    target = tiny_llama(VOCAB_SIZE, seed=11, num_hidden_layers=2, hidden_size=64, **shape)
+    draft = perturbed_copy(target, seed=12, noise=0.15)
+    speculative = Engine(target, draft, 4, batch_invariant=batch_invariant)
+    plain = Engine(target, None, batch_invariant=batch_invariant)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=4, prompt_logprobs=2)
+    pairs, accepted = [], 0
+    runs = zip(speculative.generate(PROMPTS, params), plain.generate(PROMPTS, params), strict=True)
+    for a, b in runs:
+        assert a.token_ids == b.token_ids
+        accepted += a.metrics.num_accepted_tokens
+        pairs += zip(a.logprobs, b.logprobs, strict=True)
+        pairs += zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True)
+    return largest_gap(pairs), accepted
+
+
+def test_batch_invariant_logprobs_are_equal_with_and_without_speculation():
+    """Batch-invariant mode (specray.models.batch_invariant): a verified block's rows are the
+    rows one-token steps give, bitwise; the default mode's differ by rounding (the control)."""
+    worst, accepted = _worst_difference_with_and_without_speculation(batch_invariant=True)
+    assert accepted > MAX_TOKENS  # speculation did commit drafted tokens
+    assert worst == 0.0
+    control, _ = _worst_difference_with_and_without_speculation(batch_invariant=False)
+    assert 0.0 < control <= TOLERANCE

@@ -110,3 +110,19 @@ def test_gpu_asks_and_ingress_on_head_reach_the_deployments():
     assert "num_gpus" not in AppArgs().placement().draft_options()
     with pytest.raises(ValidationError, match="draft_num_gpus"):
         AppArgs(draft_num_gpus=-1)
+
+
+def test_batch_invariant_reaches_the_workers_placement_from_the_flag_or_a_value():
+    from specray.cli import _build_parser
+    from specray.cluster.placement import PlacementConfig
+    from specray.serve.cli import load_app_config
+
+    assert AppArgs().placement().batch_invariant is False
+    for argv in (["serve", "--batch-invariant"], ["serve", "--set", "batch_invariant=true"]):
+        config = load_app_config(_build_parser().parse_args(argv))
+        args = AppArgs(**config["applications"][0]["args"])
+        assert args.placement().batch_invariant is True
+    with pytest.raises(ValidationError, match="batch_invariant"):
+        AppArgs(batch_invariant="sometimes")
+    with pytest.raises(ValueError, match="batch_invariant must be true or false, got 1"):
+        PlacementConfig(batch_invariant=1)
