@@ -15,6 +15,9 @@ files): every model is made on the spot with random weights. Four parts, one JSO
 4. **Step costs** of realistic shapes with random weights: a Llama-3-8B-shaped target (bf16 on
    CUDA) verifying k + 1 = 1..9 tokens and a Llama-3.2-1B-shaped draft's step, at batch 1, 8
    and 64, written as the ``latency`` section of a ``specray simulate`` config.
+5. **Batch invariance** (reported, not a pass condition: it is shown for the CPU's kernels
+   only): the largest difference between a token's logits decoded one at a time and fed in
+   blocks of 5 beside two other sequences, for the batch-invariant runner and the default one.
 
 ``--quick`` shrinks every shape (the CPU smoke test in ``make test``).
 """
@@ -224,6 +227,38 @@ def _step_costs(device: torch.device, dtype: torch.dtype, config: GpuCheckConfig
     }
 
 
+def fed_logits(runner: ModelRunner, prompt: list[int], fed: list[int], chunk: int, others: bool):
+    """``[len(fed), vocab]``: the logits after each token of ``fed`` (following ``prompt``),
+    ``chunk`` tokens a forward; with ``others``, two other sequences in every forward (one of
+    130 cached tokens, one fed 9 tokens at a time)."""
+    runner.forward({"a": prompt[:-1]}, {})
+    if others:
+        runner.forward({"long": list(range(200, 330)), "wide": [3, 4]}, {})
+    feed, rows = [prompt[-1], *fed], []
+    for start in range(0, len(fed), chunk):
+        tokens = feed[start : min(start + chunk, len(fed))]
+        feeds = {"a": tokens, **({"long": [7], "wide": list(range(9))} if others else {})}
+        rows.append(runner.forward(feeds, {"a": len(tokens)})["a"])
+    runner.remove(["a", "long", "wide"])
+    return torch.cat(rows)
+
+
+@torch.inference_mode()
+def _batch_invariance(device: torch.device, dtype: torch.dtype, config: GpuCheckConfig) -> dict:
+    shape = "quick-target" if config.quick else "llama-3.2-1b"
+    rng = random.Random(config.seed)
+    prompt = [rng.randrange(SHAPES[shape]["vocab_size"]) for _ in range(40)]
+    fed = [rng.randrange(SHAPES[shape]["vocab_size"]) for _ in range(20)]
+    report = {"shape": shape, "dtype": str(dtype)}
+    for name, invariant in (("batch_invariant", True), ("default", False)):
+        model = random_llama(shape, device, dtype, config.seed)
+        runner = ModelRunner(model, tune=False, batch_invariant=invariant)
+        alone = fed_logits(runner, prompt, fed, 1, others=False)
+        mixed = fed_logits(runner, prompt, fed, 5, others=True)
+        report[f"{name}_max_abs"] = float((alone - mixed).abs().max())
+    return report
+
+
 def run_gpu_check(config: GpuCheckConfig) -> dict:
     device = resolve_device(config.device)
     dtype = getattr(torch, default_dtype(device))
@@ -235,6 +270,7 @@ def run_gpu_check(config: GpuCheckConfig) -> dict:
         ("distribution", lambda: _distribution(device, config)),
         ("speed", lambda: _speed(device, dtype, config)),
         ("step_costs", lambda: _step_costs(device, dtype, config)),
+        ("batch_invariance", lambda: _batch_invariance(device, dtype, config)),
     ):
         part_started = time.perf_counter()
         report[name] = part() | {"seconds": time.perf_counter() - part_started}

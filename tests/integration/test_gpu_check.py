@@ -47,3 +47,5 @@ def test_the_gpu_check_runs_here_without_ray():
         }
     )
     assert config.latency.verify.seconds(8, 5) > 0
+    invariance = report["batch_invariance"]  # the CPU's kernels: exact, the control not
+    assert invariance["batch_invariant_max_abs"] == 0.0 < invariance["default_max_abs"]

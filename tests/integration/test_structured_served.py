@@ -16,18 +16,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
-import threading
 import time
 
 import jsonschema
 import openai
 import pytest
-import uvicorn
 
 from specray.engine_core.coordinator import CoordinatorConfig
-from specray.serve.openai_api import build_http_app
 from specray.serve.service import LocalBackend
+from tests.helpers.http_backend import serve_backend
 
 # the bundled model loaded twice (target and its self draft) and 350 generations: about 90 s
 pytestmark = pytest.mark.slow
@@ -150,36 +147,17 @@ KINDS = {
 @pytest.fixture(scope="module")
 def base_url():
     """The app over a LocalBackend of the bundled model, served by uvicorn on a thread."""
-    ready, state = threading.Event(), {}
+    config = CoordinatorConfig(
+        num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
+        adaptive_k=False,
+        max_queue=len(KINDS) * NUM_GENERATIONS,
+    )
 
-    async def main() -> None:
-        config = CoordinatorConfig(
-            num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
-            adaptive_k=False,
-            max_queue=len(KINDS) * NUM_GENERATIONS,
-        )
-        backend = await LocalBackend.start("default", DRAFT, model_name=MODEL, config=config)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(
-            uvicorn.Config(build_http_app(backend), log_level="warning", lifespan="off")
-        )
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            await asyncio.sleep(0.01)
-        state.update(url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", server=server)
-        ready.set()
-        try:
-            await task
-        finally:
-            await backend.stop(drain=False)
+    def start():
+        return LocalBackend.start("default", DRAFT, model_name=MODEL, config=config)
 
-    thread = threading.Thread(target=lambda: asyncio.run(main()), name="uvicorn", daemon=True)
-    thread.start()
-    assert ready.wait(START_TIMEOUT_S), "the server did not start"
-    yield state["url"]
-    state["server"].should_exit = True
-    thread.join(60)
+    with serve_backend(start, START_TIMEOUT_S) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specray.bench.gpu_check import fed_logits
 from specray.models.batch_invariant import (
     SLOT_CHUNK,
     TILE_ROWS,
@@ -38,27 +39,14 @@ def _model():
     return tiny_llama(512, seed=5, **SHAPE)
 
 
-def _logits(runner: ModelRunner, chunk: int, others: bool) -> torch.Tensor:
-    """``[len(FED), vocab]``: the logits after each fed token, ``chunk`` tokens a forward;
-    with ``others``, two other sequences in every forward (one of 130 cached tokens, so the
-    slots attended over grow past a chunk, and one fed 9 tokens at a time: two row tiles)."""
-    runner.forward({"a": PROMPT[:-1]}, {})
-    if others:
-        runner.forward({"long": list(range(200, 330)), "wide": [3, 4]}, {})
-    feed, rows = [PROMPT[-1], *FED], []
-    for start in range(0, len(FED), chunk):
-        tokens = feed[start : min(start + chunk, len(FED))]
-        feeds = {"a": tokens, **({"long": [7], "wide": list(range(9))} if others else {})}
-        rows.append(runner.forward(feeds, {"a": len(tokens)})["a"])
-    runner.remove(["a", "long", "wide"])
-    return torch.cat(rows)
-
-
 def _differences(runner: ModelRunner) -> list[float]:
     """Largest |difference| of each way of feeding against one token at a time."""
-    alone = _logits(runner, 1, others=False)
+    alone = fed_logits(runner, PROMPT, FED, 1, others=False)
     ways = [(5, False), (3, False), (5, True), (1, True)]
-    return [(alone - _logits(runner, chunk, others)).abs().max().item() for chunk, others in ways]
+    return [
+        (alone - fed_logits(runner, PROMPT, FED, chunk, others)).abs().max().item()
+        for chunk, others in ways
+    ]
 
 
 @torch.inference_mode()
