@@ -27,6 +27,7 @@ class CoordinatorStats:
     draft_bytes: int = 0
     committed_tokens: int = 0
     reused_tokens: int = 0
+    ahead_tokens: int = 0  # drafted past a block before its verdict (kept or not)
     draft_failures: int = 0
     dropped_blocks: int = 0
     target_prefill_s: float = 0.0  # prompt processing of requests new to the target
@@ -84,6 +85,7 @@ def record_proposal(
     """A draft worker's propose call: bytes sent, drafts reused, and a draft-step sample."""
     stats.draft_bytes += reply.bytes
     stats.reused_tokens += reply.reused_tokens
+    stats.ahead_tokens += reply.ahead_tokens
     metrics.labels(metrics.wire_bytes).inc(reply.bytes)
     metrics.labels(metrics.draft_latency).observe(reply.draft_s)
     if reply.steps > 0 and reply.num_requests > 0:
