@@ -20,7 +20,9 @@ Row-wise operations (norms, activations, rotary embeddings, residuals, the log-s
 invariant as they are. Invariance holds for a given number of threads (kernels split work,
 and so round, by threads; a worker runs ``num_threads``, 1 by default). Checked bitwise on
 this CPU by ``tests/unit/test_batch_invariant.py``; on CUDA the same fixed shapes apply, but
-cuBLAS's choice of kernel per shape is not checked here. The cost is measured in
+cuBLAS's choice of kernel per shape is not checked here. Under tensor parallelism a
+log-probability was seen one float32 step apart with and without speculation
+(``tests/integration/test_distributed.py``): not bitwise there. The cost is measured in
 docs/bench/history.md ("Batch-invariant forwards").
 """
 

@@ -19,6 +19,7 @@ from specray import Engine, SamplingParams
 from specray.rpc.messages import MAX_MESSAGE_BYTES, grpc_options
 from specray.v1 import speculation_pb2 as pb
 from specray.v1 import speculation_pb2_grpc as pb_grpc
+from tests.helpers.logprob_gaps import largest_gap
 from tests.helpers.tiny_models import exact_sequence_probs
 from tests.statistical.test_engine_distribution import chi_square_fit
 
@@ -184,3 +185,27 @@ def test_sampling_through_tp2_and_sparse_q_follows_the_target(cluster, tiny_pair
     assert sum(output.metrics.num_accepted_tokens for output in outputs) > 0
     wrong = exact_sequence_probs(target_model, prompt, SamplingParams(temperature=0.6), length)
     assert chi_square_fit(samples, wrong).p_value < ALPHA, "negative control must be rejected"
+
+
+def test_batch_invariant_tp2_logprobs_are_equal_with_and_without_speculation(cluster, tiny_pair):
+    """``batch_invariant`` through the placement to both TP ranks: speculating (k = 4 every
+    round) and target-only TP = 2 groups give the same greedy tokens and log-probabilities
+    within 1e-6. Not bitwise: one top log-probability differed by one float32 step (1.2e-7)
+    here, which single-process targets never show (test_batch_invariant, test_logprobs*);
+    where TP loses the last bit is not found yet."""
+    _, target_dir, draft_dir = tiny_pair
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    prompts = [[1, 2, 3, 1], [4, 0], [2, 2, 2, 3]]
+    runs = []
+    for draft in (draft_dir, None):
+        engine = Engine(target_dir, draft=draft, num_speculative_tokens=4, tp_size=2,
+                        cluster=cluster[0].address, batch_invariant=True)  # fmt: skip
+        try:
+            runs.append(engine.generate(prompts, params))
+        finally:
+            engine.shutdown()
+    speculative, plain = runs
+    assert sum(o.metrics.num_accepted_tokens for o in speculative) > 0
+    for a, b in zip(speculative, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        assert largest_gap(zip(a.logprobs, b.logprobs, strict=True)) <= 1e-6
