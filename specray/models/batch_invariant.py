@@ -16,16 +16,17 @@ shape that depends on the model alone:
   numerator (a column of ones beside the values), so masked and padding slots add exact zeros
   to a reduction whose order is fixed by slot index.
 
-Row-wise operations (norms, activations, rotary embeddings, residuals, the log-softmax) are
-invariant as they are. Invariance holds for a given number of threads (kernels split work,
-and so round, by threads; a worker runs ``num_threads``, 1 by default). Checked bitwise on
-this CPU by ``tests/unit/test_batch_invariant.py``; on CUDA the same fixed shapes apply, but
-cuBLAS's choice of kernel per shape is not checked here. Bitwise on the default target and
-on random models of hidden size 64 and 256; on the integration tests' smallest model (hidden
-16, vocabulary 5) a log-probability was seen one or two float32 steps apart with and without
-speculation, in one process and at TP = 2 alike (``tests/integration/test_distributed.py``);
-its linears and attention products pass the invariance checks, and the step responsible is
-not found. The cost is measured in
+Row-wise operations (norms, activations, rotary embeddings, residuals) are invariant as they
+are; the log-probabilities' log-sum-exp is made so by
+:func:`specray.sampling.logprobs.row_logsumexp`. Invariance holds for a given number of
+threads (kernels split work, and so round, by threads; a worker runs ``num_threads``, 1 by
+default). Checked bitwise on this CPU by ``tests/unit/test_batch_invariant.py``; on CUDA the
+same fixed shapes apply, but cuBLAS's choice of kernel per shape is not checked here. Bitwise
+on the default target and on random models of hidden size 64 and 256; on the integration
+tests' smallest model (hidden 16, vocabulary 5) a log-probability was seen one or two float32
+steps apart with and without speculation, in one process and at TP = 2 alike
+(``tests/integration/test_distributed.py``); its linears and attention products pass the
+invariance checks, and the step responsible is not found. The cost is measured in
 docs/bench/history.md ("Batch-invariant forwards").
 """
 
@@ -39,7 +40,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from specray.models.linears import TunedLinear, onednn_available
+from specray.models.linears import TunedLinear, onednn_available, onednn_linear, onednn_pack
 
 TILE_ROWS = 8  # rows of every product a token's row is part of
 SLOT_CHUNK = 64  # slots attended over are padded to a multiple of this
@@ -56,7 +57,7 @@ def invariant_linear(module: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
     padded = _pad_rows(flat, -(-rows // TILE_ROWS) * TILE_ROWS)  # [n', in]
     packed = getattr(module, "invariant_packed", None)
     if packed is not None:
-        out = torch.ops.mkldnn._linear_pointwise(padded, packed, module.bias, "none", [], "")
+        out = onednn_linear(padded, packed, module.bias)
     else:
         out = F.linear(padded, module.weight, module.bias)
     return out[:rows].reshape(*inputs.shape[:-1], module.out_features)  # [..., out]
@@ -120,8 +121,7 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
     for linear in model.modules():
         if type(linear) is nn.Linear:
             if pack and linear.weight.dtype == torch.float32:  # oneDNN's fast kernels, packed
-                weight = linear.weight.detach()
-                linear.invariant_packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+                linear.invariant_packed = onednn_pack(linear.weight)
             linear.forward = types.MethodType(invariant_linear, linear)
         elif isinstance(linear, (nn.Linear, TunedLinear)):
             raise ValueError(

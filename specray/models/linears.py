@@ -52,6 +52,16 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` packed for oneDNN's linear on this CPU (opaque)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
+    """``rows`` ``[n, in]`` times a :func:`onednn_pack` weight, plus ``bias``: ``[n, out]``."""
+    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, bias, "none", [], "")
+
+
 def choose_plan(
     costs_s: Mapping[str, Sequence[float]], min_gain: float = MIN_GAIN
 ) -> tuple[tuple[str, int], ...]:
@@ -126,18 +136,12 @@ class TunedLinear(nn.Module):
         wanted = set(kernels) if kernels is not None else {kernel for kernel, _ in self.plan}
         weight = self.weight.detach()
         with torch.no_grad():
-            self.packed = (
-                torch.ops.mkldnn._reorder_linear_weight(weight, None)
-                if ONEDNN in wanted and onednn_available()
-                else None
-            )
+            self.packed = onednn_pack(weight) if ONEDNN in wanted and onednn_available() else None
             self.weight_t = weight.t().contiguous() if DENSE_T in wanted else None  # [in, out]
 
     def run(self, flat: torch.Tensor, kernel: str) -> torch.Tensor:  # [rows, in] -> [rows, out]
         if kernel == ONEDNN:
-            return torch.ops.mkldnn._linear_pointwise(
-                flat.contiguous(), self.packed, self.bias, "none", [], ""
-            )
+            return onednn_linear(flat, self.packed, self.bias)
         if kernel == DENSE_T:
             out = flat @ self.weight_t
             return out if self.bias is None else out + self.bias

@@ -45,7 +45,9 @@ def row_logsumexp(rows: torch.Tensor) -> torch.Tensor:
     count, vocab = rows.shape
     top = rows.amax(dim=1, keepdim=True)  # [m, 1]: exact in any order
     chunks = -(-vocab // LSE_CHUNK)
-    shifted = torch.nn.functional.pad(torch.exp(rows - top), (0, chunks * LSE_CHUNK - vocab))
+    shifted = torch.exp(rows - top)  # [m, vocab]
+    if vocab % LSE_CHUNK:  # zeros (exp of -inf) up to whole chunks
+        shifted = torch.nn.functional.pad(shifted, (0, chunks * LSE_CHUNK - vocab))
     sums = shifted.view(count, chunks, LSE_CHUNK).sum(dim=2).sum(dim=1, keepdim=True)
     return top + torch.log(sums)
 

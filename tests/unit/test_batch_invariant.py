@@ -20,7 +20,7 @@ from specray.models.batch_invariant import (
     invariant_linear,
     make_batch_invariant,
 )
-from specray.models.linears import TunedLinear, onednn_available
+from specray.models.linears import TunedLinear, onednn_available, onednn_pack
 from specray.models.runner import ModelRunner
 from tests.helpers.tiny_models import tiny_llama
 
@@ -132,8 +132,7 @@ def test_blas_computes_a_row_alike_in_any_multiple_of_the_tile(kernel):
         linear = torch.nn.Linear(in_features, out_features, bias=False)
         linear.weight.copy_(torch.randn(out_features, in_features, generator=generator))
         if kernel == "onednn":  # packed as make_batch_invariant packs it
-            weight = linear.weight.detach()
-            linear.invariant_packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            linear.invariant_packed = onednn_pack(linear.weight)
         rows = torch.randn(1024, in_features, generator=generator)
         full = invariant_linear(linear, rows)
         for count in (1, 3, TILE_ROWS, 2 * TILE_ROWS, 37 * TILE_ROWS + 5):
