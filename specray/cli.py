@@ -136,6 +136,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--contexts", default="64,256", help="for --steps: cached tokens per sequence"
     )
     bench.add_argument(
+        "--mixed-prompts",
+        default="16,64",
+        help="for --steps: new prompts' lengths, each prefilled in one forward beside the "
+        "others' decode step (packed against padded)",
+    )
+    bench.add_argument(
         "--drafters",
         metavar="all|A,B",
         help="every drafter (ngram, self:bf16|fp16|int8, distilled:fp32|fp16, ngram+X...) on the "
@@ -355,6 +361,7 @@ def _steps_bench(args: argparse.Namespace) -> int:
         target=args.target,
         batches=parse_concurrency(args.steps, param="--steps"),
         contexts=parse_concurrency(args.contexts, param="--contexts"),
+        mixed_prompts=parse_concurrency(args.mixed_prompts, param="--mixed-prompts"),
     )
     report = run_steps_bench(config)
     _print_json(json.dumps(report, indent=2) if args.json else format_steps(report))

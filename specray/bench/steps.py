@@ -24,10 +24,13 @@ class StepsConfig:
     batches: tuple[int, ...] = (1, 4, 16)
     contexts: tuple[int, ...] = (64, 256)  # cached tokens per sequence before the step
     widths: tuple[int, ...] = (1, 5)  # new tokens per sequence: a decode step, k = 4
+    # Mixed rounds: batch - 1 decoding rows beside a new prompt of this many tokens, packed
+    # against padded (models/packing.py) and against the two forwards apart.
+    mixed_prompts: tuple[int, ...] = (16, 64)
     repeats: int = 5  # best of
 
     def __post_init__(self) -> None:
-        for name in ("batches", "contexts", "widths"):
+        for name in ("batches", "contexts", "widths", "mixed_prompts"):
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or v < 1 for v in values):
                 raise ValueError(f"{name} must hold positive integers, got {values!r}")
@@ -81,6 +84,59 @@ def _runner_ms(runner, prompts: torch.Tensor, width: int, repeats: int) -> float
         runner.remove(ids)
 
 
+def _mixed_ms(runner, prompts: torch.Tensor, prompt: list[int], repeats: int) -> float:
+    """One forward: a decode step of every row of ``prompts`` (``[batch - 1, context]``, cached
+    first) beside the prefill of ``prompt``, a new sequence (``[]``: the decode step alone;
+    no rows: the prefill alone)."""
+    ids = [f"row-{row}" for row in range(prompts.shape[0])]
+    runner.forward({seq_id: prompts[row].tolist() for row, seq_id in enumerate(ids)}, {})
+    feeds = {seq_id: [1] for seq_id in ids}
+    if prompt:
+        feeds["new"] = prompt
+    try:
+        return _best_ms(
+            lambda: runner.forward(feeds, dict.fromkeys(feeds, 1)),
+            lambda: [runner.rollback(seq_id, len(feed)) for seq_id, feed in feeds.items()],
+            repeats,
+        )
+    finally:
+        runner.remove([*ids, "new"])
+
+
+def _mixed_rows(runner, padded, config: StepsConfig, draw: random.Random) -> list[dict]:
+    """Per batch > 1, context and prompt length: the mixed forward packed and padded, and the
+    decode step and the prefill as two forwards (what splitting the round would cost)."""
+    rows = []
+    for batch in (b for b in config.batches if b > 1):
+        for context in config.contexts:
+            prompts = torch.tensor(
+                [
+                    [draw.randrange(runner.vocab_size) for _ in range(context)]
+                    for _ in range(batch - 1)
+                ]
+            )  # [batch - 1, context]
+            for length in config.mixed_prompts:
+                prompt = [draw.randrange(runner.vocab_size) for _ in range(length)]
+                packed = _mixed_ms(runner, prompts, prompt, config.repeats)
+                padded_ms = _mixed_ms(padded, prompts, prompt, config.repeats)
+                apart = _mixed_ms(runner, prompts, [], config.repeats) + _mixed_ms(
+                    runner, prompts[:0], prompt, config.repeats
+                )
+                rows.append(
+                    {
+                        "batch": batch,
+                        "context": context,
+                        "prompt": length,
+                        "packed_ms": packed,
+                        "padded_ms": padded_ms,
+                        "apart_ms": round(apart, 2),
+                        "padded_over_packed": round(padded_ms / packed, 3),
+                        "apart_over_packed": round(apart / packed, 3),
+                    }
+                )
+    return rows
+
+
 def run_steps_bench(config: StepsConfig) -> dict:
     from specray.models.loading import load_model
     from specray.models.runner import ModelRunner
@@ -108,7 +164,14 @@ def run_steps_bench(config: StepsConfig) -> dict:
                         "speedup": round(theirs / ours, 3),
                     }
                 )
-    return {"config": asdict(config), "threads": torch.get_num_threads(), "rows": rows}
+    padded = ModelRunner(loaded.model, tune=False, pack=False)  # the same (tuned) kernels
+    mixed = _mixed_rows(runner, padded, config, draw)
+    return {
+        "config": asdict(config),
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+        "mixed_rows": mixed,
+    }
 
 
 def format_steps(report: dict) -> str:
@@ -122,4 +185,17 @@ def format_steps(report: dict) -> str:
             f"{row['batch']:>5} {row['context']:>7} {row['new_tokens']:>4} "
             f"{row['specray_ms']:>11.1f} {row['transformers_ms']:>16.1f} {row['speedup']:>7.2f}x"
         )
+    if report.get("mixed_rows"):
+        lines += [
+            "",
+            "a decode step of batch - 1 rows beside a new prompt, one forward",
+            f"{'batch':>5} {'context':>7} {'prompt':>6} {'packed ms':>10} {'padded ms':>10} "
+            f"{'two forwards ms':>16} {'padded/packed':>14}",
+        ]
+        for row in report["mixed_rows"]:
+            lines.append(
+                f"{row['batch']:>5} {row['context']:>7} {row['prompt']:>6} "
+                f"{row['packed_ms']:>10.1f} {row['padded_ms']:>10.1f} {row['apart_ms']:>16.1f} "
+                f"{row['padded_over_packed']:>13.2f}x"
+            )
     return "\n".join(lines)

@@ -15,6 +15,7 @@ Example: rows A (5 tokens) and B (3 tokens), fed 1 and 2 tokens:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Hashable, Mapping, Sequence
 
@@ -26,6 +27,15 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from specray.models.batch_invariant import make_batch_invariant
 from specray.models.device import DeviceTimer
 from specray.models.linears import tune_decoder_linears, tune_head
+from specray.models.packing import (
+    KWARG,
+    Packing,
+    Segment,
+    segment_layout,
+    segment_rows,
+    should_pack,
+    use_packed_attention,
+)
 from specray.models.slot_cache import SlotCache
 
 # Model families whose logits are exactly ``lm_head(hidden)``: for them the runner computes
@@ -82,9 +92,18 @@ def require_plain_head(model: torch.nn.Module, needed_by: str) -> None:
 class ModelRunner:
     """Owns a model and the KV caches of the sequences it serves."""
 
-    def __init__(self, model: torch.nn.Module, *, tune: bool = True, batch_invariant: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        tune: bool = True,
+        batch_invariant: bool = False,
+        pack: bool = True,
+    ):
         """``batch_invariant``: a token's logits bitwise the same whatever else its forward
-        holds (models/batch_invariant.py); no kernel tuning then."""
+        holds (models/batch_invariant.py); no kernel tuning then. ``pack``: rows fed different
+        numbers of tokens run packed (models/packing.py); off, every row is padded to the
+        longest (benchmarks compare the two)."""
         config = model.config
         if config.model_type not in SUPPORTED_TYPES:
             raise ValueError(
@@ -103,6 +122,8 @@ class ModelRunner:
             # (a feature-conditioned draft wraps a transformers decoder: switch that)
             owner = model if hasattr(model, "set_attn_implementation") else model.get_decoder()
             owner.set_attn_implementation(GROUPED_SDPA)
+        # Rows fed different numbers of tokens run packed (models/packing.py).
+        self._packs = use_packed_attention(model) and pack
         self._windows = _windows(config)
         self._mask_by_layer_type = config.model_type in MASK_BY_LAYER_TYPE
         head = model.get_output_embeddings()
@@ -251,18 +272,36 @@ class ModelRunner:
         end = max(lengths) + width  # slots attended over
         self.cache.reserve(len(self.seq_ids), end, len(self.seq_ids), self.num_slots)
         first = self._place_together(rows)
-        input_ids, positions = self._stage(running, new_token_ids, lengths, width)
-        feature_batch = None  # [batch, width, feature_size], zeros where padding
-        if features is not None:
-            rows = [features[seq_id] for seq_id in running]
-            feature_batch = torch.zeros(
-                len(running), width, rows[0].shape[-1], device=self.device, dtype=rows[0].dtype
+        fed = [counts[seq_id] for seq_id in running]
+        packing = None
+        if self._packs and should_pack(fed):  # ragged rows: run the fed tokens only
+            input_ids, token_positions, positions, token_rows, packing = self._stage_packed(
+                running, new_token_ids, lengths, width
             )
-            for index, row in enumerate(rows):
-                feature_batch[index, : len(row)] = row.to(self.device)
-        self.cache.begin(first, positions, end)
+        else:
+            input_ids, positions = self._stage(running, new_token_ids, lengths, width)
+            token_positions = positions
+        feature_batch = None  # [batch, width, feature_size], zeros where padding; packed [1, T, .]
+        if features is not None:
+            rows = [features[seq_id].to(self.device) for seq_id in running]
+            if packing is not None:
+                feature_batch = torch.cat(rows)[None]
+            else:
+                feature_batch = rows[0].new_zeros(len(running), width, rows[0].shape[-1])
+                for index, row in enumerate(rows):
+                    feature_batch[index, : len(row)] = row
+        packed_slots = None if packing is None else (token_rows, token_positions[0])
+        self.cache.begin(first, positions, end, packed_slots)
         masks = self._masks(positions, end)
-        hidden_or_logits = self._run(input_ids, positions, masks, feature_batch, self.cache)
+        output = self._run(input_ids, token_positions, masks, feature_batch, self.cache, packing)
+        # Row i's fed tokens: output[i, :count], or packed output[0, starts[i] : + count].
+        starts = list(itertools.accumulate(fed, initial=0))
+
+        def tokens_of(index: int, start: int, stop: int) -> torch.Tensor:
+            if packing is None:
+                return output[index, start:stop]
+            return output[0, starts[index] + start : starts[index] + stop]
+
         wanted = []  # (seq_id, row in this batch, first column, last column + 1) needing logits
         for index, seq_id in enumerate(running):
             count = counts[seq_id]
@@ -270,12 +309,11 @@ class ModelRunner:
             if seq_id in num_logits:
                 wanted.append((seq_id, index, count - num_logits[seq_id], count))
             if seq_id in num_hidden:  # [num_hidden, hidden_size], views of this batch
-                start = count - num_hidden[seq_id]
-                hidden[seq_id] = hidden_or_logits[index, start:count].float()
+                hidden[seq_id] = tokens_of(index, count - num_hidden[seq_id], count).float()
         if not wanted:
             return {}, hidden
         # All requested rows through the head in one matmul: the head's weight is read once.
-        selected = torch.cat([hidden_or_logits[row, start:stop] for _, row, start, stop in wanted])
+        selected = torch.cat([tokens_of(row, start, stop) for _, row, start, stop in wanted])
         started = time.perf_counter()
         logits = self._logits(selected)  # [total rows, vocab]
         self.head_s += time.perf_counter() - started
@@ -299,6 +337,53 @@ class ModelRunner:
             ids[index, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64, device="cpu")
         staged = host.to(self.device, non_blocking=pinned)  # [2, batch, width]
         return staged[0], staged[1]
+
+    def _stage_packed(self, running, new_token_ids, lengths, width):
+        """:meth:`_stage` for a packed forward (models/packing.py): token ids and positions
+        ``[1, T]``, the padded positions ``[batch, width]`` (the masks read them) and the
+        :class:`Packing` (cache rows of the tokens, attention segments), staged in one host
+        buffer and copied with one transfer."""
+        batch = len(running)
+        counts = [len(new_token_ids[seq_id]) for seq_id in running]
+        total = sum(counts)
+        runs = segment_rows(counts)
+        scatters = [segment_layout(counts, first, end) for first, end in runs]
+        scattered = sum(len(index) for index in scatters if index is not None)
+        pinned = self.device.type == "cuda"
+        host = torch.empty(
+            3 * total + batch * width + scattered, dtype=torch.int64, pin_memory=pinned
+        )
+        flat = host[: 3 * total].view(3, total)  # ids, positions, rows: each [T]
+        flat[0] = torch.as_tensor(
+            [token for seq_id in running for token in new_token_ids[seq_id]], dtype=torch.int64
+        )
+        flat[2] = torch.repeat_interleave(torch.arange(batch), torch.as_tensor(counts))
+        starts = torch.as_tensor(lengths, dtype=torch.int64)  # [batch]
+        padded = host[3 * total : 3 * total + batch * width].view(batch, width)
+        torch.add(starts[:, None], torch.arange(width), out=padded)
+        fed = torch.arange(width) < torch.as_tensor(counts)[:, None]  # [batch, width]
+        flat[1] = padded[fed]  # row by row: the tokens' order
+        offset = 3 * total + batch * width
+        for index in scatters:
+            if index is not None:
+                host[offset : offset + len(index)] = torch.as_tensor(index, dtype=torch.int64)
+                offset += len(index)
+        staged = host.to(self.device, non_blocking=pinned)
+        ids, positions, rows = staged[: 3 * total].view(3, total)
+        segments, offset = [], 3 * total + batch * width
+        token_starts = list(itertools.accumulate(counts, initial=0))
+        for (first, end), index in zip(runs, scatters, strict=True):
+            scatter = None
+            if index is not None:
+                scatter = staged[offset : offset + len(index)]
+                offset += len(index)
+            segment_width = max(counts[first:end])
+            tokens = token_starts[end] - token_starts[first]
+            segments.append(
+                Segment(first, end - first, segment_width, token_starts[first], tokens, scatter)
+            )
+        padded_positions = staged[3 * total : 3 * total + batch * width].view(batch, width)
+        return ids[None], positions[None], padded_positions, rows, Packing(tuple(segments))
 
     def _place_together(self, rows: list[int]) -> int:
         """Order the rows so that ``rows`` (ascending) are one block; return its first row.
@@ -327,30 +412,18 @@ class ModelRunner:
         }
         return masks if self._mask_by_layer_type else masks["full_attention"]
 
-    def _run(self, input_ids, positions, masks, feature_batch, cache):
+    def _run(self, input_ids, positions, masks, feature_batch, cache, packing):
+        """The model over ``[rows, width]`` tokens (or ``[1, T]`` packed): final-norm hidden
+        states ``[rows, width, hidden]``, or logits ``[rows, width, vocab]`` without a plain
+        head."""
+        extra = {} if packing is None else {KWARG: packing}  # to attention (models/packing.py)
+        common = dict(attention_mask=masks, position_ids=positions, cache=cache, use_cache=True)
         if feature_batch is not None:  # the model mixes each token's feature into its input
-            return self._decoder(
-                inputs_embeds=self.model.embed_with_features(input_ids, feature_batch),
-                attention_mask=masks,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-            ).last_hidden_state  # [rows, width, hidden]
+            embeds = self.model.embed_with_features(input_ids, feature_batch)
+            return self._decoder(inputs_embeds=embeds, **common, **extra).last_hidden_state
         if self._decoder is not None:
-            return self._decoder(
-                input_ids=input_ids,
-                attention_mask=masks,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-            ).last_hidden_state  # [rows, width, hidden]
-        return self.model(
-            input_ids=input_ids,
-            attention_mask=masks,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-        ).logits  # [rows, width, vocab]
+            return self._decoder(input_ids=input_ids, **common, **extra).last_hidden_state
+        return self.model(input_ids=input_ids, **common, **extra).logits
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: ``[n, hidden]`` (or already ``[n, vocab]`` without a plain head)."""

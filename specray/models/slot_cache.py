@@ -62,6 +62,7 @@ class SlotCache:
         self._rows = slice(0, 0)  # the rows this forward runs
         self._write = torch.zeros(0, 1, 0, 1, dtype=torch.int64)  # [batch, 1, width, 1] slots
         self._end = 0  # slots this forward attends over
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # ([T] rows, [T] slots)
 
     # ---- the model's side ------------------------------------------------------------------
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -72,21 +73,34 @@ class SlotCache:
             shape = (self.row_capacity, keys.shape[1], self.slot_capacity, keys.shape[3])
             self.layers.append(SlotLayer(keys.new_zeros(shape), values.new_zeros(shape)))
         layer = self.layers[layer_idx]
-        index = self._write.expand(-1, keys.shape[1], -1, keys.shape[3])  # as keys
         stored_keys = layer.keys[self._rows]
         stored_values = layer.values[self._rows]
-        stored_keys.scatter_(2, index, keys)
-        stored_values.scatter_(2, index, values)
+        if self._packed is not None:  # keys [1, kv_heads, T, dim]: token t at its row and slot
+            rows, slots = self._packed
+            stored_keys[rows, :, slots] = keys[0].transpose(0, 1)  # [T, kv_heads, dim]
+            stored_values[rows, :, slots] = values[0].transpose(0, 1)
+        else:
+            index = self._write.expand(-1, keys.shape[1], -1, keys.shape[3])  # as keys
+            stored_keys.scatter_(2, index, keys)
+            stored_values.scatter_(2, index, values)
         return stored_keys[:, :, : self._end], stored_values[:, :, : self._end]
 
     # ---- the runner's side -----------------------------------------------------------------
-    def begin(self, first_row: int, positions: torch.Tensor, end: int) -> None:
+    def begin(
+        self,
+        first_row: int,
+        positions: torch.Tensor,
+        end: int,
+        packed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """The next forward runs rows ``first_row ..`` (one per row of ``positions``), writing
         token j of row i at slot ``positions[i, j]`` (``[batch, width]``), attending over the
-        first ``end`` slots."""
+        first ``end`` slots. ``packed``: the forward's tokens are flat (models/packing.py),
+        token t of row ``rows[t]`` going to slot ``slots[t]`` (both ``[T]``)."""
         self._rows = slice(first_row, first_row + positions.shape[0])
         self._write = positions[:, None, :, None]
         self._end = end
+        self._packed = packed
 
     @torch.inference_mode()
     def reserve(self, rows: int, slots: int, used_rows: int, used_slots: int) -> None:

@@ -21,17 +21,10 @@ from specray.models.device import (
 )
 from specray.models.runner import ModelRunner
 from specray.serve.config import AppArgs
+from tests.helpers.tiny_models import TINY_DECODER
 
 CUDA = torch.cuda.is_available()
-TINY = dict(
-    vocab_size=50,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+TINY = TINY_DECODER
 
 
 @pytest.mark.parametrize("spec", ["gpu", "cuda:", "cuda:x", "CPU", "", 3, None, "mps"])

@@ -24,17 +24,10 @@ from transformers import (
 from specray.models import slot_cache
 from specray.models.runner import ModelRunner
 from specray.models.slot_cache import SlotCache
+from tests.helpers.tiny_models import TINY_DECODER
 
 VOCAB = 50
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
+TINY = TINY_DECODER
 
 
 def _build(model_class, config):
@@ -78,7 +71,9 @@ class _Counting:
         monkeypatch.setattr(SlotCache, "_reallocate", counting_reallocate)
 
 
-def _random_schedule(model, seed: int, steps: int = 50) -> None:
+def _random_schedule(model, seed: int, steps: int = 50, long_feeds: bool = False) -> None:
+    """``long_feeds``: some feeds are prompt-sized (10-40 tokens) beside the others' few, so
+    packed forwards split into several attention segments (models/packing.py)."""
     reference = _eager(model)
     runner = ModelRunner(model)
     schedule = random.Random(seed)
@@ -89,6 +84,8 @@ def _random_schedule(model, seed: int, steps: int = 50) -> None:
         for seq_id in candidates:
             if schedule.random() < 0.6:
                 count = schedule.randint(1, 5)
+                if long_feeds and schedule.random() < 0.15:
+                    count = schedule.randint(10, 40)
                 feed[seq_id] = [schedule.randrange(VOCAB) for _ in range(count)]
         num_logits = {seq_id: schedule.randint(1, len(tokens)) for seq_id, tokens in feed.items()}
         logits = runner.forward(feed, num_logits)
@@ -118,6 +115,11 @@ def test_random_schedule_matches_recompute(tiny_model, monkeypatch, seed):
     assert counts.reallocations > 2, "the schedule must grow the cache"
 
 
+@pytest.mark.parametrize("seed", [4, 5])
+def test_random_schedule_with_prompts_beside_decoding_matches_recompute(tiny_model, seed):
+    _random_schedule(tiny_model, seed, steps=30, long_feeds=True)
+
+
 @pytest.mark.parametrize(
     ("model_class", "config"),
     [
@@ -139,7 +141,7 @@ def test_sliding_windows_match_the_family(model_class, config, monkeypatch):
     """Sequences longer than the window: the runner's own masks apply the window where the
     family's mask functions do (one window for Mistral; per layer type for Qwen2)."""
     monkeypatch.setattr(slot_cache, "MIN_SLOTS", 4)
-    _random_schedule(_build(model_class, config), seed=3, steps=30)
+    _random_schedule(_build(model_class, config), seed=3, steps=30, long_feeds=True)
 
 
 def test_window_changes_the_logits():
