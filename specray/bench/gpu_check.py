@@ -1,7 +1,7 @@
 """One check of the GPU data plane, ready to run on a GPU machine: ``scripts/gpu-check``.
 
 It needs torch, transformers, scipy and this repository only (no Ray, no network, no model
-files): every model is made on the spot with random weights. Four parts, one JSON report:
+files): every model is made on the spot with random weights. Six parts, one JSON report:
 
 1. **Greedy identity** under the GPU contract (:mod:`specray.sampling.greedy_contract`): a
    random target in the device's default dtype and a perturbed draft; speculative greedy
@@ -18,6 +18,10 @@ files): every model is made on the spot with random weights. Four parts, one JSO
 5. **Batch invariance** (reported, not a pass condition: it is shown for the CPU's kernels
    only): the largest difference between a token's logits decoded one at a time and fed in
    blocks of 5 beside two other sequences, for the batch-invariant runner and the default one.
+
+6. **Mixed rounds** (reported): 15 rows decoding beside a new prompt in one target forward,
+   packed (:mod:`specray.models.packing`) against padded to the prompt: milliseconds and the
+   largest logit difference between the two.
 
 ``--quick`` shrinks every shape (the CPU smoke test in ``make test``).
 """
@@ -36,7 +40,7 @@ import torch
 
 from specray.engine import Engine
 from specray.engine_core.policy import tabulate
-from specray.models.device import default_dtype, resolve_device
+from specray.models.device import DeviceTimer, default_dtype, resolve_device
 from specray.models.random_models import exact_sequence_probs, perturbed_copy, tiny_llama
 from specray.models.runner import ModelRunner
 from specray.sampling import SamplingParams
@@ -259,6 +263,37 @@ def _batch_invariance(device: torch.device, dtype: torch.dtype, config: GpuCheck
     return report
 
 
+@torch.inference_mode()
+def _mixed_round(device: torch.device, dtype: torch.dtype, config: GpuCheckConfig) -> dict:
+    shape = "quick-target" if config.quick else "llama-3-8b"
+    length, context = (16, 32) if config.quick else (512, config.context)
+    rng = random.Random(config.seed)
+    vocab = SHAPES[shape]["vocab_size"]
+    contexts = {f"row-{r}": [rng.randrange(vocab) for _ in range(context)] for r in range(15)}
+    feeds = {seq_id: [rng.randrange(vocab)] for seq_id in contexts}
+    feeds["new"] = [rng.randrange(vocab) for _ in range(length)]
+    model = random_llama(shape, device, dtype, config.seed)
+    report = {"shape": shape, "dtype": str(dtype), "rows": 16, "prompt": length}
+    logits = {}
+    for name, pack in (("packed", True), ("padded", False)):
+        runner = ModelRunner(model, tune=False, pack=pack)
+        runner.forward(contexts, {})
+        best = float("inf")
+        for _ in range(3):
+            timer = DeviceTimer(device).start()
+            logits[name] = runner.forward(feeds, dict.fromkeys(feeds, 1))
+            best = min(best, timer.stop().seconds())
+            for seq_id, feed in feeds.items():
+                runner.rollback(seq_id, len(feed))
+        report[f"{name}_ms"] = 1e3 * best
+        del runner
+    report["padded_over_packed"] = report["padded_ms"] / report["packed_ms"]
+    report["max_abs_logit_difference"] = max(
+        float((logits["packed"][s] - logits["padded"][s]).abs().max()) for s in feeds
+    )
+    return report
+
+
 def run_gpu_check(config: GpuCheckConfig) -> dict:
     device = resolve_device(config.device)
     dtype = getattr(torch, default_dtype(device))
@@ -271,6 +306,7 @@ def run_gpu_check(config: GpuCheckConfig) -> dict:
         ("speed", lambda: _speed(device, dtype, config)),
         ("step_costs", lambda: _step_costs(device, dtype, config)),
         ("batch_invariance", lambda: _batch_invariance(device, dtype, config)),
+        ("mixed_round", lambda: _mixed_round(device, dtype, config)),
     ):
         part_started = time.perf_counter()
         report[name] = part() | {"seconds": time.perf_counter() - part_started}

@@ -49,3 +49,6 @@ def test_the_gpu_check_runs_here_without_ray():
     assert config.latency.verify.seconds(8, 5) > 0
     invariance = report["batch_invariance"]  # the CPU's kernels: exact, the control not
     assert invariance["batch_invariant_max_abs"] == 0.0 < invariance["default_max_abs"]
+    mixed = report["mixed_round"]  # packed and padded compute the same logits
+    assert mixed["packed_ms"] > 0 and mixed["padded_ms"] > 0
+    assert mixed["max_abs_logit_difference"] < 1e-4
