@@ -351,22 +351,30 @@ class ModelRunner:
         scattered = sum(len(index) for index in scatters if index is not None)
         pinned = self.device.type == "cuda"
         host = torch.empty(
-            3 * total + batch * width + scattered, dtype=torch.int64, pin_memory=pinned
+            3 * total + batch * width + scattered,
+            dtype=torch.int64,
+            device="cpu",
+            pin_memory=pinned,
         )
         flat = host[: 3 * total].view(3, total)  # ids, positions, rows: each [T]
         flat[0] = torch.as_tensor(
-            [token for seq_id in running for token in new_token_ids[seq_id]], dtype=torch.int64
+            [token for seq_id in running for token in new_token_ids[seq_id]],
+            dtype=torch.int64,
+            device="cpu",
         )
-        flat[2] = torch.repeat_interleave(torch.arange(batch), torch.as_tensor(counts))
-        starts = torch.as_tensor(lengths, dtype=torch.int64)  # [batch]
+        fed = torch.as_tensor(counts, dtype=torch.int64, device="cpu")  # [batch]
+        flat[2] = torch.repeat_interleave(torch.arange(batch, device="cpu"), fed)
+        starts = torch.as_tensor(lengths, dtype=torch.int64, device="cpu")  # [batch]
         padded = host[3 * total : 3 * total + batch * width].view(batch, width)
-        torch.add(starts[:, None], torch.arange(width), out=padded)
-        fed = torch.arange(width) < torch.as_tensor(counts)[:, None]  # [batch, width]
-        flat[1] = padded[fed]  # row by row: the tokens' order
+        columns = torch.arange(width, device="cpu")
+        torch.add(starts[:, None], columns, out=padded)
+        flat[1] = padded[columns < fed[:, None]]  # the fed slots, row by row: the tokens' order
         offset = 3 * total + batch * width
         for index in scatters:
             if index is not None:
-                host[offset : offset + len(index)] = torch.as_tensor(index, dtype=torch.int64)
+                host[offset : offset + len(index)] = torch.as_tensor(
+                    index, dtype=torch.int64, device="cpu"
+                )
                 offset += len(index)
         staged = host.to(self.device, non_blocking=pinned)
         ids, positions, rows = staged[: 3 * total].view(3, total)

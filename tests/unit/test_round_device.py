@@ -137,3 +137,30 @@ def test_logprobs_cost_a_round_one_more_read(mode):
     assert watch.undevised == []
     assert all(len(r.logprobs) == len(r.output_token_ids) for r in requests)
     assert all(len(r.prompt_logprobs) == len(r.prompt_token_ids) - 1 for r in requests)
+
+
+def test_a_packed_forward_reads_nothing_back_and_names_every_device():
+    """Rows fed 1, 1, 30 and 4 tokens (a prompt beside decoding and a verification) run packed
+    (models/packing.py): staged on the host, copied once, nothing read back."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
+    runner = ModelRunner(LlamaForCausalLM(config).eval(), tune=False)
+    runner.forward({"a": [1, 2, 3], "b": [4, 5], "d": [6, 7, 8, 9]}, {})
+    feeds = {"a": [10], "b": [11], "c": list(range(30)), "d": [12, 13, 14, 15]}
+    with Watch() as watch:
+        logits = runner.forward(feeds, {seq_id: len(feed) for seq_id, feed in feeds.items()})
+    assert {seq_id: rows.shape[0] for seq_id, rows in logits.items()} == {
+        "a": 1,
+        "b": 1,
+        "c": 30,
+        "d": 4,
+    }
+    assert watch.syncs == [] and watch.undevised == []
