@@ -65,10 +65,8 @@ class Watch(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _round(**logprobs):
-    """A core with BATCH prefilled requests (half greedy, half sampled at temperature 1 with
-    top-p and a penalty) and their blocks of K tokens, sparse q for the sampled ones;
-    ``logprobs``: SamplingParams' log-probability fields for every request."""
+def _runner() -> ModelRunner:
+    """A one-layer grouped-query Llama of VOCAB tokens, seeded."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -79,7 +77,14 @@ def _round(**logprobs):
         num_key_value_heads=1,
         max_position_embeddings=256,
     )
-    core = TargetCore(ModelRunner(LlamaForCausalLM(config).eval(), tune=False))
+    return ModelRunner(LlamaForCausalLM(config).eval(), tune=False)
+
+
+def _round(**logprobs):
+    """A core with BATCH prefilled requests (half greedy, half sampled at temperature 1 with
+    top-p and a penalty) and their blocks of K tokens, sparse q for the sampled ones;
+    ``logprobs``: SamplingParams' log-probability fields for every request."""
+    core = TargetCore(_runner())
     rng = random.Random(0)
     requests, blocks = [], {}
     for i in range(BATCH):
@@ -142,17 +147,7 @@ def test_logprobs_cost_a_round_one_more_read(mode):
 def test_a_packed_forward_reads_nothing_back_and_names_every_device():
     """Rows fed 1, 1, 30 and 4 tokens (a prompt beside decoding and a verification) run packed
     (models/packing.py): staged on the host, copied once, nothing read back."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-    )
-    runner = ModelRunner(LlamaForCausalLM(config).eval(), tune=False)
+    runner = _runner()
     runner.forward({"a": [1, 2, 3], "b": [4, 5], "d": [6, 7, 8, 9]}, {})
     feeds = {"a": [10], "b": [11], "c": list(range(30)), "d": [12, 13, 14, 15]}
     with Watch() as watch:
