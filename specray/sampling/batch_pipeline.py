@@ -40,6 +40,7 @@ from itertools import groupby
 
 import torch
 
+from specray.sampling.argmax import row_argmax
 from specray.sampling.grammar import unpack_masks
 from specray.sampling.pipeline import NEG_INF, LogitsPipeline
 from specray.sampling.rows import Workspace, consecutive_rows
@@ -220,7 +221,7 @@ class BatchLogitsPipeline:
         if any(metadata.greedy):
             picked = _select(out, metadata.greedy_rows)
             sizes = [n for n, g in zip(metadata.num_rows, metadata.greedy, strict=True) if g]
-            greedy_ids = iter(picked.argmax(dim=-1).split(sizes))  # [Rg] int64
+            greedy_ids = iter(row_argmax(picked).split(sizes))  # [Rg] int64
         if not all(metadata.greedy):
             sizes = [n for n, g in zip(metadata.num_rows, metadata.greedy, strict=True) if not g]
             probs = self._sampled_probs(out, owned, metadata, sum(sizes))  # [Rs, vocab]

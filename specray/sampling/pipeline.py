@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specray.sampling.argmax import row_argmax
 from specray.sampling.grammar import GrammarMatcher, Grammars, unpack_masks
 from specray.sampling.params import SamplingParams
 from specray.sampling.top_k import takes_candidates, top_k_probs
@@ -235,7 +236,7 @@ class LogitsPipeline:
     ) -> torch.Tensor:
         """A greedy request's token for each row, int64 ``[rows]``: the argmax of the processed
         logits (the one-hot :meth:`probs` gives, without its ``[rows, vocab]`` tensor)."""
-        return self.processed_logits(logits, output_token_ids, candidate_token_ids).argmax(dim=-1)
+        return row_argmax(self.processed_logits(logits, output_token_ids, candidate_token_ids))
 
     def probs(
         self,
@@ -252,7 +253,7 @@ class LogitsPipeline:
         params = self.params
         if params.greedy:
             one_hot = torch.zeros_like(out)
-            return one_hot.scatter_(-1, out.argmax(dim=-1, keepdim=True), 1.0)
+            return one_hot.scatter_(-1, row_argmax(out)[:, None], 1.0)
         temperature = None
         if params.temperature != 1.0:
             temperature = self.device_parts(out.device).temperature

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specray.sampling.argmax import row_argmax
 from specray.sampling.rng import KeyedRandom, Purpose, keyed_uniforms, sample_from_probs
 
 MAX_SPEC_LEN = 32  # the most draft tokens one round may verify
@@ -177,7 +178,9 @@ def verify_batch_greedy(
     """Greedy rule for many requests at once (see module docstring)."""
     _check_inputs(draft_token_ids, num_draft_tokens, None, target_probs)
     # [batch, k+1], the first maximum (the lowest id) as argmax gives it
-    return verify_batch_greedy_ids(draft_token_ids, num_draft_tokens, target_probs.argmax(dim=-1))
+    batch, width, vocab = target_probs.shape
+    argmax = row_argmax(target_probs.reshape(batch * width, vocab)).view(batch, width)
+    return verify_batch_greedy_ids(draft_token_ids, num_draft_tokens, argmax)
 
 
 def verify_batch_greedy_ids(
