@@ -4,8 +4,13 @@ the engine core's draft_ahead_min_hit switched between 0.5 (the default) and 0.0
 ahead while the block is verified) through Ray's ``__ray_call__``, three alternations; per pass
 the engine core's counters. Usage: PYTHONPATH=. .venv/bin/python scripts/draft-ahead-ab.py [k]."""
 
-import dataclasses, sys, time, json
+import dataclasses
+import json
+import sys
+import time
+
 import ray
+
 from specray.bench.served_speedup import chat_prompts
 from specray.client import Client
 from specray.cluster.distributed import connect
@@ -77,8 +82,12 @@ for rep in range(3):
             )
         }
         results[hit].append(1e3 * wall / n)
+        per_round = {k: 1e3 * d[k] / d["rounds"] for k in ("target_forward_s", "target_wait_s")}
         print(
-            f"min_hit {hit}: {1e3 * wall / n:.1f} ms/token rounds {d['rounds']} forward/round {1e3 * d['target_forward_s'] / d['rounds']:.1f} wait/round {1e3 * d['target_wait_s'] / d['rounds']:.1f} reused {d['reused_tokens']} ahead {d['ahead_tokens']}",
+            f"min_hit {hit}: {1e3 * wall / n:.1f} ms/token, rounds {d['rounds']}, "
+            f"forward/round {per_round['target_forward_s']:.1f} ms, "
+            f"wait/round {per_round['target_wait_s']:.1f} ms, "
+            f"kept {d['reused_tokens']}, drafted ahead {d['ahead_tokens']}",
             flush=True,
         )
 print(json.dumps({str(k): v for k, v in results.items()}))
