@@ -340,23 +340,22 @@ class ModelRunner:
 
     def _stage_packed(self, running, new_token_ids, lengths, width):
         """:meth:`_stage` for a packed forward (models/packing.py): token ids and positions
-        ``[1, T]``, the padded positions ``[batch, width]`` (the masks read them) and the
-        :class:`Packing` (cache rows of the tokens, attention segments), staged in one host
-        buffer and copied with one transfer."""
+        ``[1, T]``, the padded positions ``[batch, width]`` (the masks read them), each
+        token's cache row ``[T]`` and the :class:`Packing`, staged in one host buffer and
+        copied with one transfer."""
         batch = len(running)
         counts = [len(new_token_ids[seq_id]) for seq_id in running]
         total = sum(counts)
         runs = segment_rows(counts)
         scatters = [segment_layout(counts, first, end) for first, end in runs]
-        scattered = sum(len(index) for index in scatters if index is not None)
+        # The buffer: ids, positions, rows [3, T]; padded positions [batch, width]; then each
+        # segment's scatter index, between bounds[i] and bounds[i + 1].
+        padded_end = 3 * total + batch * width
+        sizes = (len(index) if index is not None else 0 for index in scatters)
+        bounds = list(itertools.accumulate(sizes, initial=padded_end))
         pinned = self.device.type == "cuda"
-        host = torch.empty(
-            3 * total + batch * width + scattered,
-            dtype=torch.int64,
-            device="cpu",
-            pin_memory=pinned,
-        )
-        flat = host[: 3 * total].view(3, total)  # ids, positions, rows: each [T]
+        host = torch.empty(bounds[-1], dtype=torch.int64, device="cpu", pin_memory=pinned)
+        flat = host[: 3 * total].view(3, total)
         flat[0] = torch.as_tensor(
             [token for seq_id in running for token in new_token_ids[seq_id]],
             dtype=torch.int64,
@@ -364,34 +363,32 @@ class ModelRunner:
         )
         fed = torch.as_tensor(counts, dtype=torch.int64, device="cpu")  # [batch]
         flat[2] = torch.repeat_interleave(torch.arange(batch, device="cpu"), fed)
-        starts = torch.as_tensor(lengths, dtype=torch.int64, device="cpu")  # [batch]
-        padded = host[3 * total : 3 * total + batch * width].view(batch, width)
+        padded = host[3 * total : padded_end].view(batch, width)
         columns = torch.arange(width, device="cpu")
-        torch.add(starts[:, None], columns, out=padded)
+        cached = torch.as_tensor(lengths, dtype=torch.int64, device="cpu")  # [batch]
+        torch.add(cached[:, None], columns, out=padded)
         flat[1] = padded[columns < fed[:, None]]  # the fed slots, row by row: the tokens' order
-        offset = 3 * total + batch * width
-        for index in scatters:
+        for index, low, high in zip(scatters, bounds[:-1], bounds[1:], strict=True):
             if index is not None:
-                host[offset : offset + len(index)] = torch.as_tensor(
-                    index, dtype=torch.int64, device="cpu"
-                )
-                offset += len(index)
+                host[low:high] = torch.as_tensor(index, dtype=torch.int64, device="cpu")
         staged = host.to(self.device, non_blocking=pinned)
         ids, positions, rows = staged[: 3 * total].view(3, total)
-        segments, offset = [], 3 * total + batch * width
         token_starts = list(itertools.accumulate(counts, initial=0))
-        for (first, end), index in zip(runs, scatters, strict=True):
-            scatter = None
-            if index is not None:
-                scatter = staged[offset : offset + len(index)]
-                offset += len(index)
-            segment_width = max(counts[first:end])
-            tokens = token_starts[end] - token_starts[first]
-            segments.append(
-                Segment(first, end - first, segment_width, token_starts[first], tokens, scatter)
+        segments = tuple(
+            Segment(
+                first,
+                end - first,
+                max(counts[first:end]),
+                token_starts[first],
+                token_starts[end] - token_starts[first],
+                None if index is None else staged[low:high],
             )
-        padded_positions = staged[3 * total : 3 * total + batch * width].view(batch, width)
-        return ids[None], positions[None], padded_positions, rows, Packing(tuple(segments))
+            for (first, end), index, low, high in zip(
+                runs, scatters, bounds[:-1], bounds[1:], strict=True
+            )
+        )
+        padded_positions = staged[3 * total : padded_end].view(batch, width)
+        return ids[None], positions[None], padded_positions, rows, Packing(segments)
 
     def _place_together(self, rows: list[int]) -> int:
         """Order the rows so that ``rows`` (ascending) are one block; return its first row.
