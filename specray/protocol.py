@@ -37,8 +37,8 @@ import msgpack
 from specray.sampling.logprobs import TokenLogprob
 from specray.sampling.params import SamplingParams
 
-PROTOCOL_VERSION = 3  # 2: logprobs in VerifyResult and Delta; 3: VerifyResult.error, and
-# RoundReport.num_tokens / kv_cache_usage
+PROTOCOL_VERSION = 4  # 2: logprobs in VerifyResult and Delta; 3: VerifyResult.error, and
+# RoundReport.num_tokens / kv_cache_usage; 4: VerifyItem.scheduled_ahead, VerifyResult.ended
 # Explicit msgpack limits on a decoded message (docs/design.md section 6): a message over them is
 # refused whole. Strings are request ids (at most 128 characters), enum values and finish reasons.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -81,6 +81,9 @@ class VerifyItem:
     expect_draft: bool  # a draft worker streams a block for (request_id, step)
     spec: RequestSpec | None = None  # on the target's first contact (or to replay)
     prefill_until: int | None = None  # chunked prefill: cache at most this many context tokens
+    # Issued before the verdict of the request's previous round (async scheduling): if that
+    # round ended the request, the target skips it (VerifyResult.ended) instead of failing.
+    scheduled_ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class VerifyResult:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs_from: int = 0
     error: str | None = None  # finish_reason "error": why the request cannot go on
+    # A scheduled-ahead item whose request the previous round ended: nothing ran for it.
+    ended: bool = False
 
     @staticmethod
     def chunk(

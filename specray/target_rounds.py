@@ -3,6 +3,8 @@
 
 A round, for the requests of one :class:`~specray.protocol.VerifyRound`:
 
+0. :meth:`TargetRounds.live` — items scheduled ahead for requests that the round before ended
+   are set aside (answered :meth:`TargetRounds.ended`, nothing runs for them).
 1. :meth:`TargetRounds.open` — requests new here are registered from their spec; every
    item's committed count must match what is held (a mismatch is a coordinator bug, raised).
 2. prefill — the host caches what each new request's context lacks (:func:`prefill_span`
@@ -58,6 +60,35 @@ class TargetRounds(Generic[State]):
     ):
         self._make_state, self._committed = make_state, committed
         self.requests: dict[str, State] = {}
+
+    def live(self, items: Sequence[VerifyItem]) -> tuple[list[VerifyItem], set[str]]:
+        """The items to run, and the ids of requests set aside: scheduled ahead of a verdict
+        that ended them (this side freed them when it did). An item not scheduled ahead for a
+        request held nowhere still fails in :meth:`open`."""
+        ended = {
+            item.request_id
+            for item in items
+            if item.scheduled_ahead and item.request_id not in self.requests
+        }
+        if not ended:
+            return list(items), ended
+        return [item for item in items if item.request_id not in ended], ended
+
+    @staticmethod
+    def ended(
+        items: Sequence[VerifyItem], results: Sequence[VerifyResult], ended: set[str]
+    ) -> tuple[VerifyResult, ...]:
+        """One result per item, in order: ``results`` answer the live items, the set-aside
+        ones are answered ``ended``."""
+        if not ended:
+            return tuple(results)
+        live = iter(results)
+        return tuple(
+            VerifyResult(item.request_id, (), ended=True)
+            if item.request_id in ended
+            else next(live)
+            for item in items
+        )
 
     def open(self, items: Sequence[VerifyItem]) -> tuple[list[State], set[str]]:
         """The states of the round's requests, in item order, and the ids new here."""

@@ -216,7 +216,14 @@ class TargetWorker:
         """
         entered = time.perf_counter()
         fed_before = self.runner.tokens_fed
-        items = round_.items
+        items, ended = self.rounds.live(round_.items)
+        if not items:  # scheduled ahead for requests the round before ended: nothing to run
+            return RoundReport(
+                self.rounds.ended(round_.items, [], ended),
+                wait_s=0.0,
+                compute_s=0.0,
+                kv_cache_usage=self.runner.kv_cache_usage,
+            )
         states, fresh = self.rounds.open(items)
         self.inbox.open(fresh)
         prefill_started = time.perf_counter()
@@ -286,7 +293,7 @@ class TargetWorker:
                 self.release([state.request_id])
         service_s = time.perf_counter() - entered
         return RoundReport(
-            tuple(results),
+            self.rounds.ended(round_.items, results, ended),
             wait_s=wait_s,
             compute_s=service_s - wait_s,
             prefill_s=prefill_s,

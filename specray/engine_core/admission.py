@@ -94,6 +94,36 @@ def check_request(
         raise InvalidRequestError(f"timeout_s must be > 0, got {timeout_s!r}", param="timeout")
 
 
+def check_submission(
+    prompt_token_ids,
+    params,
+    request_id,
+    timeout_s,
+    num_speculative_tokens,
+    committed_token_ids,
+    *,
+    vocab_size: int,
+    max_positions: int | None,
+    in_flight: Container[str],
+    eos_token_ids: frozenset[int],
+    group_max_k: int,
+) -> tuple[list[int], int]:
+    """Every check of a submission (:func:`check_request`, :func:`check_committed`,
+    :func:`request_max_k`); returns its committed tokens and its largest k."""
+    check_request(
+        prompt_token_ids,
+        params,
+        request_id,
+        timeout_s,
+        vocab_size=vocab_size,
+        max_positions=max_positions,
+        in_flight=in_flight,
+        eos_token_ids=eos_token_ids,
+    )
+    committed = check_committed(committed_token_ids, params, vocab_size=vocab_size)
+    return committed, request_max_k(num_speculative_tokens, group_max_k)
+
+
 def check_committed(
     token_ids: Sequence[int], params: SamplingParams, *, vocab_size: int
 ) -> list[int]:

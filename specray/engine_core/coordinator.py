@@ -36,11 +36,11 @@ from collections.abc import Sequence
 
 from specray.core import RequestState
 from specray.engine_core import admission
+from specray.engine_core.async_scheduling import IssuedRound, ahead_items, next_round_ahead
 from specray.engine_core.backends import DraftBackend, TargetBackend
 from specray.engine_core.block_length import (
     Measurements,
     choose_ks,
-    draft_prefills_wanted,
     split_pays,
 )
 from specray.engine_core.coordinator_config import (
@@ -48,10 +48,10 @@ from specray.engine_core.coordinator_config import (
     DEFAULT_VERIFY_PRIOR,
     CoordinatorConfig,
 )
-from specray.engine_core.costs import Costs
+from specray.engine_core.costs import Costs, probe_rtt
 from specray.engine_core.draft_pool import DraftPool
 from specray.engine_core.metrics import CoordinatorMetrics
-from specray.engine_core.policy import AcceptanceEstimator
+from specray.engine_core.policy import AcceptanceEstimator, new_request_estimator
 from specray.engine_core.recording import (
     CoordinatorStats,
     record_draft_failure,
@@ -60,6 +60,7 @@ from specray.engine_core.recording import (
     record_end,
     record_proposal,
     record_round,
+    record_verdict,
 )
 from specray.engine_core.request import DraftPhase, Request, TargetPhase
 from specray.engine_core.streams import RequestStream
@@ -78,10 +79,7 @@ __all__ = [  # the config, its priors and the stats are defined beside; import t
 ]
 
 log = logging.getLogger(__name__)
-RTT_PROBE_INTERVAL_S = 0.5  # how often the coordinator times a no-op call to the target
 GROUP_ACCEPTANCE_DECAY = 0.99  # the group's running acceptance: new requests start from it
-NEUTRAL_PRIOR = 0.5  # a new request's acceptance prior when the group's is lower
-REQUEST_PRIOR_WEIGHT = 4.0  # pseudo-observations of that prior in a request's own estimate
 STOP_GRACE_S = 5.0  # how long stop() waits for releases still under way before cancelling
 
 
@@ -134,6 +132,9 @@ class Coordinator:
             on_failure=lambda: record_draft_failure(self.stats, self.metrics),
         )  # fmt: skip
         self._speculating = [False] * config.num_micro_batches  # last round, per micro-batch
+        # per micro-batch: its next round, queued at the target before the verdict of the one
+        # running (async scheduling), or None
+        self._ahead: list[IssuedRound | None] = [None] * config.num_micro_batches
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -146,7 +147,10 @@ class Coordinator:
             asyncio.create_task(self._run_micro_batch(index), name=f"micro-batch-{index}")
             for index in range(self.config.num_micro_batches)
         ]
-        self._rtt_probe = asyncio.create_task(self._probe_rtt(), name="rtt-probe")
+        self._rtt_probe = asyncio.create_task(
+            probe_rtt(self.target, self.costs, self.metrics, lambda: self.num_running > 0),
+            name="rtt-probe",
+        )
 
     async def stop(self, *, drain: bool = True) -> None:
         """Stop taking requests; finish the running ones (``drain``) or cancel them."""
@@ -194,20 +198,19 @@ class Coordinator:
         params = params or SamplingParams()
         if self._draining:
             raise UnavailableError("the coordinator is draining; retry on another replica")
-        admission.check_request(
+        committed, max_k = admission.check_submission(
             prompt_token_ids,
             params,
             request_id,
             timeout_s,
+            num_speculative_tokens,
+            committed_token_ids,
             vocab_size=self.vocab_size,
             max_positions=self.max_positions,
             in_flight=self._requests,
             eos_token_ids=self.eos_token_ids,
+            group_max_k=self.config.num_speculative_tokens,
         )
-        committed = admission.check_committed(
-            committed_token_ids, params, vocab_size=self.vocab_size
-        )
-        max_k = admission.request_max_k(num_speculative_tokens, self.config.num_speculative_tokens)
         if admission.queue_full(len(self._waiting), self.num_running, self.config):
             self.metrics.labels(self.metrics.request_rejected).inc()
             raise OverloadedError(
@@ -230,7 +233,7 @@ class Coordinator:
             stream=RequestStream(request_id),
             arrival_s=now,
             deadline_s=now + timeout_s if timeout_s is not None else None,
-            estimator=self._new_estimator(),
+            estimator=new_request_estimator(self._group_acceptance),
             max_k=max_k,
             fixed_k=max_k > 0
             and (fixed_k or (self.config.reproducible_seeds and params.seed is not None)),
@@ -244,16 +247,6 @@ class Coordinator:
         self._update_gauges()
         self._notify()
         return request.stream
-
-    def _new_estimator(self) -> AcceptanceEstimator:
-        """A request starts from the group's recent acceptance when that beats a neutral
-        guess, never below it: badly drafted requests must not talk a new one out of its
-        chance (its first probe, :func:`~specray.engine_core.block_length.policy_ks`)."""
-        group_alpha = self._group_acceptance.acceptance(1)[0]
-        return AcceptanceEstimator(
-            prior_alpha=min(max(group_alpha, NEUTRAL_PRIOR), 0.95),
-            prior_weight=REQUEST_PRIOR_WEIGHT,
-        )
 
     @property
     def healthy(self) -> bool:
@@ -317,11 +310,12 @@ class Coordinator:
             try:
                 self._expire_waiting()
                 self._admit(index)
-                self._merge_unless_split_pays(index)
+                if self._ahead[index] is None:  # (its requests are in a queued round)
+                    self._merge_unless_split_pays(index)
                 await self._reap(batch)
             except Exception:  # never let the loop die: its requests would wait forever
                 log.exception("admission or release failed")
-            if not batch:
+            if not batch and self._ahead[index] is None:
                 if self._draining and not self._waiting:
                     return
                 if self._pool is not None:
@@ -332,26 +326,13 @@ class Coordinator:
                 await self._round(index)
             except Exception as error:  # a target failure: fail the batch, stay up
                 log.exception("round failed")
+                ahead, self._ahead[index] = self._ahead[index], None
+                if ahead is not None:  # it fails too: nothing will await it
+                    ahead.reply.add_done_callback(_retrieve)
                 for request in list(batch):
                     batch.remove(request)
                     self._end(request, UnavailableError(f"target group failed: {error}"))
             self._update_gauges()
-
-    async def _probe_rtt(self) -> None:
-        """Time a no-op call to the target while requests run: the network term of the policy.
-        (A verify call's own latency would include queueing behind other micro-batches.)"""
-        while True:
-            await asyncio.sleep(RTT_PROBE_INTERVAL_S)
-            if not self.num_running:
-                continue
-            started = self._loop.time()
-            try:
-                await self.target.ping()
-            except Exception:  # a failing target shows up in the rounds; keep probing
-                continue
-            rtt_s = self._loop.time() - started
-            self.costs.add_rtt(rtt_s)
-            self.metrics.labels(self.metrics.network_latency).observe(rtt_s)
 
     def _notify(self) -> None:
         for wakeup in self._wakeups:
@@ -393,11 +374,7 @@ class Coordinator:
         """Remove cancelled, finished-early and expired requests and free their state on the
         workers."""
         now = self._loop.time()
-        gone = [
-            r
-            for r in batch
-            if r.cancelled or r.finish_now or (r.deadline_s and r.deadline_s <= now)
-        ]
+        gone = [r for r in batch if r.leaving(now)]
         if not gone:
             return
         for request in gone:
@@ -408,12 +385,7 @@ class Coordinator:
                 request.state.finish_reason = "stop"
                 self._end(request, None)
                 continue
-            error = (
-                RequestCancelledError(f"request {request.state.request_id} was cancelled")
-                if request.cancelled
-                else request.deadline_error()
-            )
-            self._end(request, error)
+            self._end(request, request.removal_error())
 
     async def _release(self, requests: list[Request]) -> None:
         held = [r for r in requests if r.target_holds]
@@ -450,10 +422,12 @@ class Coordinator:
             return 0
         return cap if self.drafts.available(request.draft_worker) else 0
 
-    def _choose_ks(self, index: int, requests: list[Request]) -> list[int]:
+    def _choose_ks(self, index: int, requests: list[Request], none_only=False) -> list[int]:
+        """The round's k per request (its probes and the batch's hysteresis kept); with
+        ``none_only``, [] (nothing kept) unless every k is 0."""
         caps = [self._cap(request) for request in requests]
         max_k = self.config.num_speculative_tokens
-        ks, probes, self._speculating[index] = choose_ks(
+        ks, probes, speculating = choose_ks(
             caps,
             [r.estimator.acceptance(max_k) for r in requests],
             [r.fixed_k for r in requests],
@@ -464,31 +438,59 @@ class Coordinator:
             self.config,
             has_drafts=self._pool is not None,
         )
+        if none_only and any(ks):
+            return []
+        self._speculating[index] = speculating
         for request, probe in zip(requests, probes, strict=True):
             request.probe = probe
         return ks
 
-    def _start_draft_prefills(self, batch: list[Request]) -> None:
-        """Hand requests the draft worker has not seen to it, as many as
-        :func:`~specray.engine_core.block_length.draft_prefills_wanted` says (fixed-k requests
-        are taken on by their first propose call instead)."""
-        if self._pool is None or self.config.num_speculative_tokens == 0:
-            return
-        fresh = [r for r in batch if r.draft_phase is DraftPhase.UNSEEN and not r.fixed_k]
-        if not fresh:  # the usual round: nothing to decide
-            return
-        untried = sum(
-            1 for r in batch if r.draft_phase is not DraftPhase.UNSEEN and not r.probe.tried
-        )
-        wanted = draft_prefills_wanted(
-            len(fresh), untried, len(batch), self._measured(), self.config, has_drafts=True
-        )
-        self._pool.start_prefills(fresh[:wanted])
-
     # ---- a round -----------------------------------------------------------------------
     async def _round(self, index: int) -> None:
+        """Complete the micro-batch's round in flight (issued now unless it was scheduled
+        ahead), after queueing the next one behind it when that can go before the verdict."""
+        issued = self._ahead[index] or self._issue(index)
+        self._ahead[index] = self._issue_ahead(index, issued)
+        reply = await issued.reply
+        if issued.proposals:
+            self._pool.watch(issued.proposals)  # replies arrive in the background
+        record_round(
+            self.stats,
+            self.metrics,
+            self.costs,
+            reply,
+            verify_prior=self.config.verify_prior,
+            now=self._loop.time(),
+        )
+        batch, finished = self._batches[index], []
+        for request, result in zip(issued.requests, reply.results, strict=True):
+            if self._requests.get(request.state.request_id) is not request:
+                self.stats.rows_ended += result.ended
+                continue  # it ended while this round was queued (released, or finished)
+            if result.ended:
+                raise RuntimeError(f"the target ended {request.state.request_id} early")
+            request.take_prompt_logprobs(result)
+            if result.prefilling:  # a chunk of its prompt: nothing committed yet
+                request.target_cached(issued.grants[request.state.request_id])
+                self.stats.prefill_chunks += 1
+                continue
+            request.target_decoding()
+            self._commit(request, result)
+            if request.state.finish_reason:
+                finished.append(request)
+        for request in finished:
+            batch.remove(request)
+            request.target_released()  # the target released it when it finished
+        if finished:
+            await self._release(finished)
+        for request in finished:
+            self._end(request, request.failure())
+
+    def _issue(self, index: int) -> IssuedRound:
+        """Build the micro-batch's round from its requests now and send it."""
         batch = self._batches[index]
-        self._start_draft_prefills(batch)
+        if self._pool is not None:
+            self._pool.start_wanted_prefills(batch, self._measured)
         grants = admission.prefill_grants(batch, self.config.max_prefill_tokens_per_round)
         requests = [
             r
@@ -519,51 +521,39 @@ class Coordinator:
             )
             request.sent_to_target()
         proposals = self._pool.propose(blocks) if blocks else {}
-        reply = await self.target.verify(
-            VerifyRound(tuple(target_items), self.config.draft_deadline_s)
+        # Awaited at once (:meth:`_round`): the round is sent when awaited, and its verdicts
+        # wait for the commands of the next turn (one message per draft worker).
+        reply = self.target.verify(VerifyRound(tuple(target_items), self.config.draft_deadline_s))
+        return IssuedRound(requests, reply, grants, proposals)
+
+    def _issue_ahead(self, index: int, running: IssuedRound) -> IssuedRound | None:
+        """The next round, queued behind ``running`` before its verdict, when it does not
+        depend on it (:mod:`specray.engine_core.async_scheduling`); None otherwise."""
+        if not self.config.async_scheduling:
+            return None
+        batch = self._batches[index]
+        admitting = bool(self._waiting) and self.num_running < self.config.max_running
+        requests = next_round_ahead(
+            running.requests, batch, admitting=admitting, now=self._loop.time()
         )
-        if proposals:
-            self._pool.watch(proposals)  # replies arrive in the background
-        record_round(
-            self.stats,
-            self.metrics,
-            self.costs,
-            reply,
-            verify_prior=self.config.verify_prior,
-            now=self._loop.time(),
-        )
-        finished = []
-        for request, result in zip(requests, reply.results, strict=True):
-            request.take_prompt_logprobs(result)
-            if result.prefilling:  # a chunk of its prompt: nothing committed yet
-                request.target_cached(grants[request.state.request_id])
-                self.stats.prefill_chunks += 1
-                continue
-            request.target_decoding()
-            self._commit(request, result)
-            if request.state.finish_reason:
-                finished.append(request)
-        for request in finished:
-            batch.remove(request)
-            request.target_released()  # the target released it when it finished
-        if finished:
-            await self._release(finished)
-        for request in finished:
-            self._end(request, request.failure())
+        if requests and self._pool is not None:  # unless the policy drafts nothing next
+            self._pool.start_wanted_prefills(batch, self._measured)
+            requests = requests if self._choose_ks(index, requests, none_only=True) else []
+        if not requests:
+            return None
+        items = ahead_items(requests)
+        for request in requests:
+            request.step += 1
+            request.last_k = 0
+        self.stats.rounds_ahead += 1
+        # Sent now (a task: it starts before this turn ends), behind the round it follows.
+        round_ = VerifyRound(tuple(items), self.config.draft_deadline_s)
+        return IssuedRound(requests, asyncio.ensure_future(self.target.verify(round_)), ahead=True)
 
     # ---- commit and end ----------------------------------------------------------------
     def _commit(self, request: Request, result: VerifyResult) -> None:
         state = request.state
-        num_draft, num_accepted = result.num_draft_tokens, result.num_accepted
-        state.metrics.record(num_draft, num_accepted)
-        self.metrics.record_round(num_draft, num_accepted)
-        if num_draft:
-            request.estimator.update(num_draft, num_accepted)
-            self._group_acceptance.update(num_draft, num_accepted)
-        if result.dropped is not None:
-            self.stats.dropped_blocks += 1
-            reason = result.dropped.reason.value
-            self.metrics.labels(self.metrics.dropped_blocks, reason=reason).inc()
+        record_verdict(self.stats, self.metrics, request, result, self._group_acceptance)
         before = len(state.output_token_ids)
         state.commit(result.token_ids, error=result.error)
         if state.finish_reason != result.finish_reason:
@@ -597,3 +587,9 @@ class Coordinator:
     def _update_gauges(self) -> None:
         self.metrics.labels(self.metrics.num_requests_running).set(self.num_running)
         self.metrics.labels(self.metrics.num_requests_waiting).set(len(self._waiting))
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a dropped round's failure as seen (asyncio logs those never retrieved)."""
+    if not future.cancelled():
+        future.exception()

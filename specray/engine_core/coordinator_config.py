@@ -36,6 +36,12 @@ class CoordinatorConfig:
     # it, from the committed tokens, always); 0: always
     draft_ahead_min_hit: float = 0.5
     draft_deadline_s: float = DEFAULT_DRAFT_DEADLINE_S  # the target waits this long for a block
+    # Async scheduling: while the target runs a round in which no request can speculate, the
+    # micro-batch's next round is already queued behind it, so the target never waits for the
+    # coordinator's turn between two forwards (commits, stream deltas, the next round's
+    # items). A request the running round ends costs nothing in the queued one (the target
+    # skips it); one arriving meanwhile joins a round later.
+    async_scheduling: bool = True
     # Chunked prefill: per micro-batch round, the target prefills at most this many prompt
     # tokens of requests new to it, first come first served, beside the others' decoding, so a
     # long prompt stalls the running requests for one chunk a round instead of its whole
@@ -69,7 +75,7 @@ class CoordinatorConfig:
         integer("num_micro_batches", 1, 16)
         integer("num_speculative_tokens", 0, MAX_SPEC_LEN)
         integer("max_prefill_tokens_per_round", 0)
-        for name in ("adaptive_k", "draft_ahead", "reproducible_seeds"):
+        for name in ("adaptive_k", "draft_ahead", "reproducible_seeds", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not self.draft_deadline_s > 0:

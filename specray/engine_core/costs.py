@@ -6,7 +6,9 @@ the times observed in service; line models are refitted to the observed samples.
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from specray.engine_core.cost_fit import fit_draft_cost, fit_verify_cost
@@ -14,6 +16,7 @@ from specray.engine_core.policy import DraftCost, VerifyCost
 
 COST_SAMPLES = 256  # recent timing samples kept for the fits
 REFIT_EVERY = 8  # refit every this many samples (a fit costs ~0.3 ms of CPU)
+RTT_PROBE_INTERVAL_S = 0.5  # how often the coordinator times a no-op call to the target
 
 
 def _level(level: float, observed_s: float, calibrated_s: float) -> float:
@@ -138,3 +141,22 @@ class Costs:
 
     def add_rtt(self, seconds: float) -> None:
         self.rtt_s = 0.9 * self.rtt_s + 0.1 * max(seconds, 0.0)
+
+
+async def probe_rtt(target, costs: Costs, metrics, busy: Callable[[], bool]) -> None:
+    """Time a no-op call to ``target`` while requests run (``busy()``), forever: the network
+    term of the policy. (A verify call's own latency would include queueing behind other
+    micro-batches.) Timed on the running loop's clock (virtual under the simulator)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(RTT_PROBE_INTERVAL_S)
+        if not busy():
+            continue
+        started = loop.time()
+        try:
+            await target.ping()
+        except Exception:  # a failing target shows up in the rounds; keep probing
+            continue
+        rtt_s = loop.time() - started
+        costs.add_rtt(rtt_s)
+        metrics.labels(metrics.network_latency).observe(rtt_s)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from specray.engine_core.backends import DraftBackend
+from specray.engine_core.block_length import Measurements, draft_prefills_wanted
 from specray.engine_core.coordinator_config import CoordinatorConfig
 from specray.engine_core.policy import should_draft_ahead
 from specray.engine_core.request import DraftPhase, Request
@@ -75,6 +76,25 @@ class DraftPool:
             request.draft_worker = min(load, key=load.__getitem__)
 
     # ---- calls -------------------------------------------------------------------------
+    def start_wanted_prefills(
+        self, batch: Sequence[Request], measured: Callable[[], Measurements]
+    ) -> None:
+        """Hand requests of ``batch`` the draft workers have not seen to them, as many as
+        :func:`~specray.engine_core.block_length.draft_prefills_wanted` says for the
+        ``measured()`` costs (fixed-k requests are taken on by their first propose call)."""
+        if self.config.num_speculative_tokens == 0:
+            return
+        fresh = [r for r in batch if r.draft_phase is DraftPhase.UNSEEN and not r.fixed_k]
+        if not fresh:  # the usual round: nothing to decide
+            return
+        untried = sum(
+            1 for r in batch if r.draft_phase is not DraftPhase.UNSEEN and not r.probe.tried
+        )
+        wanted = draft_prefills_wanted(
+            len(fresh), untried, len(batch), measured(), self.config, has_drafts=True
+        )
+        self.start_prefills(fresh[:wanted])
+
     def start_prefills(self, requests: list[Request]) -> None:
         """Hand requests the draft workers have not seen to them (reassigning those whose
         worker left the pool, or had none); they go target-only meanwhile."""

@@ -478,3 +478,18 @@ class AcceptanceEstimator:
         alphas += [self._pooled] * (max_k - len(alphas))
         self._last = (max_k, alphas)
         return alphas[:]
+
+
+NEUTRAL_PRIOR = 0.5  # a new request's acceptance prior when the group's is lower
+REQUEST_PRIOR_WEIGHT = 4.0  # pseudo-observations of that prior in a request's own estimate
+
+
+def new_request_estimator(group: AcceptanceEstimator) -> AcceptanceEstimator:
+    """A new request starts from the ``group``'s recent acceptance when that beats a neutral
+    guess, never below it: badly drafted requests must not talk a new one out of its chance
+    (its first probe, :func:`~specray.engine_core.block_length.policy_ks`)."""
+    group_alpha = group.acceptance(1)[0]
+    return AcceptanceEstimator(
+        prior_alpha=min(max(group_alpha, NEUTRAL_PRIOR), 0.95),
+        prior_weight=REQUEST_PRIOR_WEIGHT,
+    )

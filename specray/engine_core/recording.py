@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from specray.engine_core.costs import Costs
 from specray.engine_core.metrics import CoordinatorMetrics
-from specray.engine_core.policy import DraftCost, VerifyCost
+from specray.engine_core.policy import AcceptanceEstimator, DraftCost, VerifyCost
 from specray.engine_core.request import Request
-from specray.protocol import PrefillReport, ProposeReport, RoundReport
+from specray.protocol import PrefillReport, ProposeReport, RoundReport, VerifyResult
 
 
 @dataclass
@@ -36,6 +36,8 @@ class CoordinatorStats:
     prefill_chunks: int = 0  # request-rounds that only prefilled part of a prompt (chunked)
     draft_prefill_s: float = 0.0  # the same on draft workers (a separate call)
     draft_prefill_tokens: int = 0
+    rounds_ahead: int = 0  # rounds issued before the verdict of the round before (async)
+    rows_ended: int = 0  # of their rows, requests that the round before had ended
 
 
 def record_round(
@@ -48,6 +50,8 @@ def record_round(
     now: float,
 ) -> None:
     """A target round: its busy and waiting time, and a verification cost sample."""
+    if all(result.ended for result in reply.results):
+        return  # scheduled ahead for requests the round before ended: nothing ran
     compute_s, wait_s = reply.compute_s, reply.wait_s
     stats.rounds += 1
     stats.target_compute_s += compute_s
@@ -55,7 +59,7 @@ def record_round(
     metrics.labels(metrics.target_busy_seconds).inc(compute_s)
     metrics.labels(metrics.pipeline_bubble_seconds).inc(wait_s)
     metrics.labels(metrics.verify_latency).observe(compute_s)
-    verified = [r for r in reply.results if not r.prefilling]
+    verified = [r for r in reply.results if not (r.prefilling or r.ended)]
     # Prefill of requests new to the target is busy time, but not the cost of a round.
     prefill_s = reply.prefill_s
     stats.target_forward_s += reply.forward_s
@@ -136,3 +140,24 @@ def record_emission(
         for _ in new:
             inter_token.observe(gap)
     request.last_emit_s = now
+
+
+def record_verdict(
+    stats: CoordinatorStats,
+    metrics: CoordinatorMetrics,
+    request: Request,
+    result: VerifyResult,
+    group_acceptance: AcceptanceEstimator,
+) -> None:
+    """A request's verdict: its acceptance (its own estimate and the group's), a dropped
+    block's reason."""
+    num_draft, num_accepted = result.num_draft_tokens, result.num_accepted
+    request.state.metrics.record(num_draft, num_accepted)
+    metrics.record_round(num_draft, num_accepted)
+    if num_draft:
+        request.estimator.update(num_draft, num_accepted)
+        group_acceptance.update(num_draft, num_accepted)
+    if result.dropped is not None:
+        stats.dropped_blocks += 1
+        reason = result.dropped.reason.value
+        metrics.labels(metrics.dropped_blocks, reason=reason).inc()

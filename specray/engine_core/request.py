@@ -31,7 +31,12 @@ from specray.core import RequestState
 from specray.engine_core.block_length import RequestProbe
 from specray.engine_core.policy import AcceptanceEstimator
 from specray.engine_core.streams import RequestStream
-from specray.errors import DeadlineExceededError, InvalidRequestError
+from specray.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    RequestCancelledError,
+    SpecrayError,
+)
 from specray.protocol import VerifyResult
 
 
@@ -128,6 +133,17 @@ class Request:
         if self.state.error is None:
             return None
         return InvalidRequestError(self.state.error, param="structured_outputs")
+
+    def leaving(self, now: float) -> bool:
+        """Cancelled, finished early by a front end, or past its deadline at ``now``: it is
+        removed at its micro-batch's next boundary."""
+        return self.cancelled or self.finish_now or bool(self.deadline_s and self.deadline_s <= now)
+
+    def removal_error(self) -> SpecrayError:
+        """Why it was removed without finishing: cancelled, or past its deadline."""
+        if self.cancelled:
+            return RequestCancelledError(f"request {self.state.request_id} was cancelled")
+        return self.deadline_error()
 
     def deadline_error(self) -> DeadlineExceededError:
         return DeadlineExceededError(

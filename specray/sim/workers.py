@@ -11,7 +11,8 @@ Timing, as in the real system:
 * a coordinator -> worker call reaches the worker ``rtt_s / 2 + coordinator_overhead_s`` after
   it is made and its reply takes ``rtt_s / 2`` back;
 * each worker runs its calls one at a time, in arrival order (the target's verify and release
-  calls share one queue, as in the actor's default concurrency group);
+  calls share one queue, as the engine core's round thread does; calls made at the same
+  instant, as a round and the one scheduled ahead behind it, run in the order made);
 * a draft block reaches the target's :class:`SimInbox` ``rtt_s / 2`` after the draft worker
   finished drafting its call's blocks; the verdict reaches the draft ``rtt_s / 2`` after the
   verification;
@@ -149,6 +150,32 @@ class SimInbox:
         return len(self._blocks) + len(self._verified_step) + len(self._verdicts)
 
 
+class _InOrder:
+    """One call at a time, in the order the calls were made: a call takes its ticket before its
+    first await, and its turn comes when every earlier ticket's call is done (two calls made at
+    the same virtual instant would otherwise wake from their network delay in either order)."""
+
+    def __init__(self) -> None:
+        self._issued = 0
+        self._serving = 0
+        self._waiting: dict[int, asyncio.Future] = {}
+
+    def ticket(self) -> int:
+        self._issued += 1
+        return self._issued - 1
+
+    async def wait_turn(self, ticket: int) -> None:
+        if ticket != self._serving:
+            self._waiting[ticket] = asyncio.get_running_loop().create_future()
+            await self._waiting[ticket]
+
+    def done(self) -> None:
+        self._serving += 1
+        turn = self._waiting.pop(self._serving, None)
+        if turn is not None and not turn.done():
+            turn.set_result(None)
+
+
 @dataclass
 class _TargetRequest:
     committed: int
@@ -171,7 +198,7 @@ class SimTargetBackend:
         self.latency, self.acceptance, self.inbox, self.rng = latency, acceptance, inbox, rng
         self.rounds = TargetRounds(self._new_request, lambda state: state.committed)
         self._trace_index: dict[str, int] = {}  # request id -> workload index
-        self._queue = asyncio.Lock()  # calls run one at a time, FIFO
+        self._queue = _InOrder()  # calls run one at a time, in the order made
         self.calls = 0
 
     def assign_trace(self, request_id: str, index: int) -> None:
@@ -181,9 +208,13 @@ class SimTargetBackend:
 
     async def verify(self, round_: VerifyRound) -> RoundReport:
         latency = self.latency
+        ticket = self._queue.ticket()
         await _sleep(latency.rtt_s / 2 + latency.coordinator_overhead_s)
-        async with self._queue:
+        await self._queue.wait_turn(ticket)
+        try:
             reply = await self._verify(round_)
+        finally:
+            self._queue.done()
         await _sleep(latency.rtt_s / 2)
         return reply
 
@@ -200,7 +231,7 @@ class SimTargetBackend:
     async def _verify(self, round_: VerifyRound) -> RoundReport:
         self.calls += 1
         entered = _now()
-        items = round_.items
+        items, ended = self.rounds.live(round_.items)
         states, _ = self.rounds.open(items)
         prefill_tokens = 0
         prefilling = set()
@@ -251,7 +282,7 @@ class SimTargetBackend:
                 self._forget(request_id)
         service_s = _now() - entered
         return RoundReport(
-            tuple(results),
+            self.rounds.ended(round_.items, results, ended),
             wait_s=wait_s,
             compute_s=service_s - wait_s,
             prefill_s=prefill_s,  # as the real target: part of compute_s, not of a round
@@ -263,10 +294,12 @@ class SimTargetBackend:
         self.rounds.forget(request_id)
 
     async def release(self, request_ids: list[str]) -> None:
+        ticket = self._queue.ticket()
         await _sleep(self.latency.rtt_s / 2 + self.latency.coordinator_overhead_s)
-        async with self._queue:
-            for request_id in request_ids:
-                self._forget(request_id)
+        await self._queue.wait_turn(ticket)
+        for request_id in request_ids:
+            self._forget(request_id)
+        self._queue.done()
         await _sleep(self.latency.rtt_s / 2)
 
     async def ping(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import ray
@@ -379,4 +380,71 @@ def test_cancel_mid_chunked_prefill_releases_worker_state(tiny_backend):
         assert len(survivor.result().token_ids) == 60
     finally:
         runner.stop()
+    assert _held(tiny_backend) == ([], [])
+
+
+def _target_only_run(backend, params, *, async_scheduling: bool, cancel: str | None = None):
+    """Every request at once through a fresh engine core drafting nothing (k = 0), one
+    micro-batch; ``cancel``: abort that request once it has streamed tokens. Returns the
+    outputs (None for the cancelled one) and the engine core's stats."""
+    runner = _coordinator(
+        backend,
+        num_speculative_tokens=0,
+        num_micro_batches=1,
+        max_running=16,
+        async_scheduling=async_scheduling,
+    )
+    try:
+        streams = [
+            runner.submit([1 + i % 3, 2, 3], p, request_id=f"r{i}") for i, p in enumerate(params)
+        ]
+        outputs = []
+        for i, stream in enumerate(streams):
+            if f"r{i}" == cancel:
+                next(iter(stream))
+                runner.abort(cancel)
+                with pytest.raises(RequestCancelledError):
+                    stream.result()
+                outputs.append(None)
+                continue
+            outputs.append(stream.result())
+        stats = runner.stats()
+    finally:
+        runner.stop()
+    return outputs, stats
+
+
+def test_async_scheduling_gives_the_same_tokens_and_skips_ended_requests(tiny_backend):
+    """Target-only rounds queued before the verdict of the running one: greedy and seeded
+    sampled requests of different lengths give the same tokens as rounds built after it; one
+    ending on a stop token mid-batch has its queued row skipped by the target (counted), and
+    one cancelled while rounds are queued is freed. Control: without async scheduling no round
+    is queued ahead."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(3)
+    ] + [
+        SamplingParams(temperature=1.0, max_tokens=8 + 7 * i, ignore_eos=True, seed=10 + i)
+        for i in range(3)
+    ]
+    probe, _ = _target_only_run(tiny_backend, params, async_scheduling=False)
+    # A token the sixth request first draws at its seventh position or later, as a stop token:
+    # it ends there, rounds after its prefill (when rounds are being queued ahead).
+    tokens = probe[5].token_ids
+    end = next(j for j in range(6, len(tokens)) if tokens[j] not in tokens[:j])
+    params[5] = replace(params[5], stop_token_ids=[tokens[end]])
+    reference, sync_stats = _target_only_run(tiny_backend, params, async_scheduling=False)
+    outputs, stats = _target_only_run(tiny_backend, params, async_scheduling=True)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
+    assert [o.finish_reason for o in outputs] == [o.finish_reason for o in reference]
+    assert reference[5].finish_reason == "stop" and len(reference[5].token_ids) == end + 1
+    assert stats["rounds_ahead"] > 0 and sync_stats["rounds_ahead"] == 0
+    assert stats["rows_ended"] >= 1, "the stop token's request was in a queued round"
+    assert _held(tiny_backend) == ([], [])
+
+    long = [*params[:5], SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True)]
+    cancelled, cancel_stats = _target_only_run(
+        tiny_backend, long, async_scheduling=True, cancel="r5"
+    )
+    assert [o.token_ids for o in cancelled[:5]] == [o.token_ids for o in reference[:5]]
+    assert cancel_stats["rounds_ahead"] > 0
     assert _held(tiny_backend) == ([], [])

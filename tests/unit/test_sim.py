@@ -474,7 +474,9 @@ def test_speculation_on_at_concurrency_one_on_the_same_costs():
         _config(alpha=(1.0,), latency=latency, workload=workload, coordinator=coordinator)
     )
     assert row["mean_k"] > 1  # draft tokens per target step, prefill rounds included
-    assert row["speedup"] > 1.2
+    # (over target-only with async scheduling, which hides the 4 ms round trip: 1.20 here,
+    # 1.24 over target-only without it)
+    assert row["speedup"] > 1.15
 
 
 def _running_coordinator(
