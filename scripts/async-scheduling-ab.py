@@ -117,6 +117,7 @@ with tempfile.TemporaryDirectory() as folder:
                         "rounds": delta["rounds"],
                         "rounds_ahead": delta["rounds_ahead"],
                         "rows_ended": delta["rows_ended"],
+                        "joined_ahead": delta["joined_ahead"],
                         "busy": delta["target_compute_s"] / wall,
                     }
                     results.append(row)

@@ -175,8 +175,9 @@ class _Counts:
 def _rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
     """The in-process engine, the distributed engine (``ray``, its own engine core) and the
     served application (its engine core: a driver's ``session`` on it, and the served paths),
-    alive together and taking turns at each concurrency, ``repeats`` times: a slow spell of
-    the machine then falls on every path rather than on one."""
+    alive together and taking turns at each concurrency, ``repeats`` times (the served paths'
+    order rotated each turn): a slow spell of the machine then falls on every path rather
+    than on one."""
     import ray
 
     from specray import Engine
@@ -246,12 +247,14 @@ def _rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
                 runs: dict[str, list[tuple[list[float], float]]] = {"engine": [], "ray": []}
                 runs |= {path: [] for path, _ in paths}
                 counts = _Counts()
-                for _ in range(config.repeats):
+                for turn in range(config.repeats):
                     runs["engine"].append(_waves(local, config, concurrency, params))
                     before = engine.engine_stats()
                     runs["ray"].append(_waves(engine, config, concurrency, params))
                     counts.add(before, engine.engine_stats())
-                    for path, send in paths:
+                    # The served paths in an order rotated each turn: none always runs after
+                    # the same one.
+                    for path, send in paths[turn % len(paths) :] + paths[: turn % len(paths)]:
                         runs[path].append(
                             _closed_loop(concurrency, config.requests_per_client, send)
                         )

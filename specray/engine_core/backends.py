@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Sequence
 from typing import Protocol
 
+from specray.engine_core.async_scheduling import OpenRound
 from specray.protocol import (
     DraftItem,
     PrefillReport,
@@ -24,7 +25,10 @@ from specray.protocol import (
 
 
 class TargetBackend(Protocol):
-    async def verify(self, round_: VerifyRound) -> RoundReport: ...
+    async def verify(self, round_: VerifyRound | OpenRound) -> RoundReport:
+        """Run a round after those sent before it; an open round (scheduled ahead) is started
+        when its turn comes (:func:`~specray.engine_core.async_scheduling.started`)."""
+        ...
 
     async def release(self, request_ids: list[str]) -> None: ...
 

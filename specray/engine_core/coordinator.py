@@ -36,7 +36,12 @@ from collections.abc import Sequence
 
 from specray.core import RequestState
 from specray.engine_core import admission
-from specray.engine_core.async_scheduling import IssuedRound, ahead_items, next_round_ahead
+from specray.engine_core.async_scheduling import (
+    IssuedRound,
+    join_ahead,
+    next_round_ahead,
+    schedule_ahead,
+)
 from specray.engine_core.backends import DraftBackend, TargetBackend
 from specray.engine_core.block_length import (
     Measurements,
@@ -244,6 +249,7 @@ class Coordinator:
             return request.stream
         self._waiting.append(request)
         self.metrics.labels(self.metrics.prompt_tokens).inc(len(prompt_token_ids))
+        self._join_ahead()
         self._update_gauges()
         self._notify()
         return request.stream
@@ -269,7 +275,9 @@ class Coordinator:
         """What a request in flight has committed (None once it ended): a front end that
         ends a request early (a stop string) reports this."""
         request = self._requests.get(request_id)
-        return self._output(request) if request is not None else None
+        if request is None:
+            return None
+        return request.output(self.tokenizer, self._loop.time())
 
     def finish(self, request_id: str) -> bool:
         """End a request now as finished (``stop``): its front end matched a stop string. It
@@ -350,7 +358,7 @@ class Coordinator:
             self._waiting.remove(request)
             self._end(request, request.deadline_error())
 
-    def _admit(self, index: int) -> None:
+    def _admit(self, index: int) -> list[Request]:
         joined = admission.admit(
             self._waiting,
             self._batches,
@@ -362,6 +370,7 @@ class Coordinator:
             request.admitted_s = self._loop.time()
             if self._pool is not None:
                 self._pool.assign(request)
+        return joined
 
     def _merge_unless_split_pays(self, index: int) -> None:
         total = min(self.num_running + len(self._waiting), self.config.max_running)
@@ -422,9 +431,7 @@ class Coordinator:
             return 0
         return cap if self.drafts.available(request.draft_worker) else 0
 
-    def _choose_ks(self, index: int, requests: list[Request], none_only=False) -> list[int]:
-        """The round's k per request (its probes and the batch's hysteresis kept); with
-        ``none_only``, [] (nothing kept) unless every k is 0."""
+    def _choose_ks(self, index: int, requests: list[Request]) -> list[int]:
         caps = [self._cap(request) for request in requests]
         max_k = self.config.num_speculative_tokens
         ks, probes, speculating = choose_ks(
@@ -438,8 +445,6 @@ class Coordinator:
             self.config,
             has_drafts=self._pool is not None,
         )
-        if none_only and any(ks):
-            return []
         self._speculating[index] = speculating
         for request, probe in zip(requests, probes, strict=True):
             request.probe = probe
@@ -528,27 +533,35 @@ class Coordinator:
 
     def _issue_ahead(self, index: int, running: IssuedRound) -> IssuedRound | None:
         """The next round, queued behind ``running`` before its verdict, when it does not
-        depend on it (:mod:`specray.engine_core.async_scheduling`); None otherwise."""
-        if not self.config.async_scheduling:
+        depend on it (:mod:`specray.engine_core.async_scheduling`): in a group without drafts
+        (its rounds never wait for blocks), when no other micro-batch runs; None otherwise."""
+        drafts = self._pool is not None and self.config.num_speculative_tokens > 0
+        others = any(batch for i, batch in enumerate(self._batches) if i != index)
+        if not self.config.async_scheduling or drafts or others:
             return None
-        batch = self._batches[index]
         admitting = bool(self._waiting) and self.num_running < self.config.max_running
         requests = next_round_ahead(
-            running.requests, batch, admitting=admitting, now=self._loop.time()
+            running.requests, self._batches[index], admitting=admitting, now=self._loop.time()
         )
-        if requests and self._pool is not None:  # unless the policy drafts nothing next
-            self._pool.start_wanted_prefills(batch, self._measured)
-            requests = requests if self._choose_ks(index, requests, none_only=True) else []
         if not requests:
             return None
-        items = ahead_items(requests)
-        for request in requests:
-            request.step += 1
-            request.last_k = 0
         self.stats.rounds_ahead += 1
-        # Sent now (a task: it starts before this turn ends), behind the round it follows.
-        round_ = VerifyRound(tuple(items), self.config.draft_deadline_s)
-        return IssuedRound(requests, asyncio.ensure_future(self.target.verify(round_)), ahead=True)
+        return schedule_ahead(requests, self.target, self.config.draft_deadline_s)
+
+    def _join_ahead(self) -> None:
+        """Admit waiting requests into rounds scheduled ahead and not started (on submit), as
+        without async scheduling; not where a chunked-prefill budget or a split into
+        micro-batches is decided (the round loops do that at their boundaries)."""
+        total = min(self.num_running + len(self._waiting), self.config.max_running)
+        if self.config.max_prefill_tokens_per_round or self._split_pays(total):
+            return
+        for index, ahead in enumerate(self._ahead):
+            if ahead is None or not self._waiting:
+                continue
+            joined = self._admit(index)  # (if the round has started: for the batch's next)
+            if joined and join_ahead(ahead, joined):
+                self.stats.target_prefill_tokens += sum(r.target_context for r in joined)
+                self.stats.joined_ahead += len(joined)
 
     # ---- commit and end ----------------------------------------------------------------
     def _commit(self, request: Request, result: VerifyResult) -> None:
@@ -567,22 +580,13 @@ class Coordinator:
         self._requests.pop(request.state.request_id, None)
         output, reason = None, "abort"
         if error is None:
-            output = self._output(request)
+            output = request.output(self.tokenizer, self._loop.time())
             reason = output.finish_reason
             record_end(self.metrics, request, self._loop.time())
         self.metrics.labels(self.metrics.request_success, finished_reason=reason).inc()
         request.stream._finish(output, error)
         self._update_gauges()
         self._notify()  # a slot is free: a loop asleep with an empty batch may admit now
-
-    def _output(self, request: Request) -> RequestOutput:
-        now = self._loop.time()
-        return request.state.to_output(
-            self.tokenizer,
-            time_to_first_token_s=(request.first_token_s or now) - request.arrival_s,
-            latency_s=now - request.arrival_s,
-            chunk_gaps_s=list(request.chunk_gaps_s),
-        )
 
     def _update_gauges(self) -> None:
         self.metrics.labels(self.metrics.num_requests_running).set(self.num_running)

@@ -36,11 +36,11 @@ class CoordinatorConfig:
     # it, from the committed tokens, always); 0: always
     draft_ahead_min_hit: float = 0.5
     draft_deadline_s: float = DEFAULT_DRAFT_DEADLINE_S  # the target waits this long for a block
-    # Async scheduling: while the target runs a round in which no request can speculate, the
+    # Async scheduling, in a group without draft workers: while the target runs a round, the
     # micro-batch's next round is already queued behind it, so the target never waits for the
     # coordinator's turn between two forwards (commits, stream deltas, the next round's
     # items). A request the running round ends costs nothing in the queued one (the target
-    # skips it); one arriving meanwhile joins a round later.
+    # skips it); one submitted meanwhile joins the queued round until the target starts it.
     async_scheduling: bool = True
     # Chunked prefill: per micro-batch round, the target prefills at most this many prompt
     # tokens of requests new to it, first come first served, beside the others' decoding, so a

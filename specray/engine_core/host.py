@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from specray.engine_core.async_scheduling import OpenRound, started
 from specray.engine_core.coordinator import Coordinator, CoordinatorConfig
 from specray.engine_core.draft_streams import StreamDraftPool
 from specray.protocol import RoundReport, VerifyRound
@@ -74,12 +75,16 @@ class LocalTarget:
         self.worker, self.pool = worker, pool
         self._ordered = _RoundThread(thread_init)
 
-    async def verify(self, round_: VerifyRound) -> RoundReport:
-        report = await self._ordered.submit(self.worker.verify_round, round_)
+    async def verify(self, round_: VerifyRound | OpenRound) -> RoundReport:
+        report = await self._ordered.submit(self._run_round, round_)
         # The round's verdicts wait for the commands the coordinator now gathers for the next
         # round (one message per draft worker), or go alone at the end of this turn.
         self.pool.schedule_flush()
         return report
+
+    def _run_round(self, round_: VerifyRound | OpenRound) -> RoundReport:
+        """(On the round thread: an open round closes when its turn comes.)"""
+        return self.worker.verify_round(started(round_))
 
     async def release(self, request_ids: list[str]) -> None:
         await self._ordered.submit(self.worker.release, request_ids)

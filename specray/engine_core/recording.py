@@ -38,6 +38,7 @@ class CoordinatorStats:
     draft_prefill_tokens: int = 0
     rounds_ahead: int = 0  # rounds issued before the verdict of the round before (async)
     rows_ended: int = 0  # of their rows, requests that the round before had ended
+    joined_ahead: int = 0  # requests submitted into a round scheduled ahead before it started
 
 
 def record_round(

@@ -37,6 +37,7 @@ from specray.errors import (
     RequestCancelledError,
     SpecrayError,
 )
+from specray.outputs import RequestOutput
 from specray.protocol import VerifyResult
 
 
@@ -133,6 +134,15 @@ class Request:
         if self.state.error is None:
             return None
         return InvalidRequestError(self.state.error, param="structured_outputs")
+
+    def output(self, tokenizer, now: float) -> RequestOutput:
+        """What it has committed, as a front end reports it, with its timings at ``now``."""
+        return self.state.to_output(
+            tokenizer,
+            time_to_first_token_s=(self.first_token_s or now) - self.arrival_s,
+            latency_s=now - self.arrival_s,
+            chunk_gaps_s=list(self.chunk_gaps_s),
+        )
 
     def leaving(self, now: float) -> bool:
         """Cancelled, finished early by a front end, or past its deadline at ``now``: it is

@@ -137,6 +137,8 @@ def _summarise(outputs, wall_s, stats, rejected: int, leaked: int) -> dict[str, 
         "target_busy_fraction": stats.target_compute_s * per_second,
         "target_wait_fraction": stats.target_wait_s * per_second,
         "rounds": stats.rounds,
+        "rounds_ahead": stats.rounds_ahead,
+        "joined_ahead": stats.joined_ahead,
         "mean_k": (
             merged.num_draft_tokens / merged.num_target_steps if merged.num_target_steps else 0.0
         ),

@@ -37,6 +37,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specray.engine_core.async_scheduling import OpenRound, started
 from specray.protocol import (
     DraftItem,
     PrefillReport,
@@ -206,13 +207,13 @@ class SimTargetBackend:
         replays ``acceptance.trace(index)``."""
         self._trace_index[request_id] = index
 
-    async def verify(self, round_: VerifyRound) -> RoundReport:
+    async def verify(self, round_: VerifyRound | OpenRound) -> RoundReport:
         latency = self.latency
         ticket = self._queue.ticket()
         await _sleep(latency.rtt_s / 2 + latency.coordinator_overhead_s)
         await self._queue.wait_turn(ticket)
         try:
-            reply = await self._verify(round_)
+            reply = await self._verify(started(round_))
         finally:
             self._queue.done()
         await _sleep(latency.rtt_s / 2)

@@ -4,20 +4,26 @@ simulator's virtual clock (docs/design.md, "The engine core")."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
 from specray.core import RequestState
-from specray.engine_core.async_scheduling import ahead_items, next_round_ahead
+from specray.engine_core.async_scheduling import (
+    OpenRound,
+    ahead_items,
+    next_round_ahead,
+    started,
+)
 from specray.engine_core.coordinator import Coordinator, CoordinatorConfig
 from specray.engine_core.policy import AcceptanceEstimator, DraftCost, VerifyCost
 from specray.engine_core.request import Request, TargetPhase
 from specray.engine_core.streams import RequestStream
-from specray.protocol import RequestSpec, VerifyItem, VerifyResult
+from specray.protocol import RequestSpec, VerifyItem, VerifyResult, VerifyRound
 from specray.sampling import SamplingParams
 from specray.sim import AcceptanceModel, LatencyModel, SimConfig, Workload, run_virtual, simulate
-from specray.sim.workers import SimDraftBackend, SimInbox, SimTargetBackend
+from specray.sim.workers import SimInbox, SimTargetBackend
 from specray.target_rounds import TargetRounds
 
 pytestmark = pytest.mark.unit
@@ -85,6 +91,18 @@ def test_waiting_or_new_requests_are_not_held_back_a_round():
     assert next_round_ahead(running, running, admitting=True, now=0.0) == []
     joined = [*running, _request("new")]  # admitted since the running round was sent
     assert next_round_ahead(running, joined, admitting=False, now=0.0) == []
+
+
+def test_an_open_round_takes_joiners_until_the_target_starts_it():
+    first = VerifyItem("a", 3, 2, False, scheduled_ahead=True)
+    joiner = VerifyItem("new", 1, 0, False, spec=_spec("new"))
+    open_round = OpenRound(VerifyRound((first,), 5.0))
+    assert open_round.join([joiner])
+    assert started(open_round) == VerifyRound((first, joiner), 5.0)
+    assert not open_round.join([VerifyItem("late", 1, 0, False, spec=_spec("late"))])
+    assert open_round.start() == VerifyRound((first, joiner), 5.0)  # nothing joined after
+    plain = VerifyRound((first,), 5.0)
+    assert started(plain) is plain
 
 
 def _spec(name: str, committed: int = 0) -> RequestSpec:
@@ -155,10 +173,7 @@ def test_requests_the_queued_round_outlives_end_exactly_with_their_lengths():
         inbox = SimInbox()
         target = SimTargetBackend(latency, AcceptanceModel((0.5,)), inbox, random.Random(0))
         coordinator = Coordinator(
-            target,
-            SimDraftBackend(1, latency, inbox),
-            CoordinatorConfig(num_speculative_tokens=0),
-            vocab_size=VOCAB,
+            target, None, CoordinatorConfig(num_speculative_tokens=0), vocab_size=VOCAB
         )
         await coordinator.start()
         lengths = [1, 2, 5, 9, 17]
@@ -175,3 +190,40 @@ def test_requests_the_queued_round_outlives_end_exactly_with_their_lengths():
     assert [len(o.token_ids) for o in outputs] == lengths
     assert stats.rounds_ahead > 0
     assert held == []
+
+
+def test_a_request_submitted_mid_round_joins_the_round_queued_behind_it():
+    """Two requests decode (20 ms rounds, queued ahead); a third submitted 10 ms into a round
+    joins the round queued behind it (before the target starts it) and gets its tokens; its
+    first token comes one round after its submission, as without async scheduling."""
+
+    async def main(async_scheduling: bool):
+        loop = asyncio.get_running_loop()
+        latency = _latency(0.001)
+        inbox = SimInbox()
+        target = SimTargetBackend(latency, AcceptanceModel((0.5,)), inbox, random.Random(0))
+        coordinator = Coordinator(
+            target,
+            None,
+            CoordinatorConfig(num_speculative_tokens=0, async_scheduling=async_scheduling),
+            vocab_size=VOCAB,
+        )
+        await coordinator.start()
+        params = SamplingParams(temperature=0.0, max_tokens=12)
+        first = [await coordinator.submit([5, 6, 7], params) for _ in range(2)]
+        await asyncio.sleep(0.1)  # a few rounds in: rounds are being queued ahead
+        await asyncio.sleep(0.01 - loop.time() % 0.023)  # (somewhere inside a round)
+        late = await coordinator.submit([7, 6, 5], params)
+        output = await late.result()
+        for stream in first:
+            await stream.result()
+        stats = coordinator.stats
+        await coordinator.stop()
+        return output, stats
+
+    output, stats = run_virtual(main(True))
+    assert len(output.token_ids) == 12
+    assert stats.joined_ahead == 1 and stats.rounds_ahead > 0
+    sync_output, sync_stats = run_virtual(main(False))
+    assert sync_stats.joined_ahead == 0 and sync_stats.rounds_ahead == 0
+    assert output.time_to_first_token_s <= sync_output.time_to_first_token_s + 1e-9
