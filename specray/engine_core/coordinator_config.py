@@ -41,7 +41,9 @@ class CoordinatorConfig:
     # coordinator's turn between two forwards (commits, stream deltas, the next round's
     # items). A request the running round ends costs nothing in the queued one (the target
     # skips it); one submitted meanwhile joins the queued round until the target starts it.
-    async_scheduling: bool = True
+    # Off by default: the turn and the forward share one process's GIL, which can cost more
+    # than the overlap gains (measured: docs/bench/history.md, "Async scheduling").
+    async_scheduling: bool = False
     # Chunked prefill: per micro-batch round, the target prefills at most this many prompt
     # tokens of requests new to it, first come first served, beside the others' decoding, so a
     # long prompt stalls the running requests for one chunk a round instead of its whole

@@ -52,6 +52,9 @@ class AppArgs(BaseModel):
     # Chunked prefill: prompt tokens the target prefills per round beside decoding (0: whole
     # prompts; see CoordinatorConfig.max_prefill_tokens_per_round)
     max_prefill_tokens_per_round: int = Field(0, ge=0)
+    # A target-only group queues its next round before the verdict of the running one (see
+    # CoordinatorConfig.async_scheduling)
+    async_scheduling: bool = False
     # Placement by node type (Ray custom resources) and CPU shares.
     draft_resource: str = "draft"
     target_resource: str = "target"
@@ -157,6 +160,7 @@ class AppArgs(BaseModel):
             adaptive_k=self.adaptive_k,
             reproducible_seeds=self.reproducible_seeds,
             max_prefill_tokens_per_round=self.max_prefill_tokens_per_round,
+            async_scheduling=self.async_scheduling,
         )
 
     def placement(self) -> PlacementConfig:

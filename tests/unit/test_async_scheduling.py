@@ -173,7 +173,10 @@ def test_requests_the_queued_round_outlives_end_exactly_with_their_lengths():
         inbox = SimInbox()
         target = SimTargetBackend(latency, AcceptanceModel((0.5,)), inbox, random.Random(0))
         coordinator = Coordinator(
-            target, None, CoordinatorConfig(num_speculative_tokens=0), vocab_size=VOCAB
+            target,
+            None,
+            CoordinatorConfig(num_speculative_tokens=0, async_scheduling=True),
+            vocab_size=VOCAB,
         )
         await coordinator.start()
         lengths = [1, 2, 5, 9, 17]
