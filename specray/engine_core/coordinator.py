@@ -552,8 +552,9 @@ class Coordinator:
         """Admit waiting requests into rounds scheduled ahead and not started (on submit), as
         without async scheduling; not where a chunked-prefill budget or a split into
         micro-batches is decided (the round loops do that at their boundaries)."""
-        total = min(self.num_running + len(self._waiting), self.config.max_running)
-        if self.config.max_prefill_tokens_per_round or self._split_pays(total):
+        if not any(self._ahead) or self.config.max_prefill_tokens_per_round:
+            return
+        if self._split_pays(min(self.num_running + len(self._waiting), self.config.max_running)):
             return
         for index, ahead in enumerate(self._ahead):
             if ahead is None or not self._waiting:
