@@ -1,17 +1,18 @@
-"""Async scheduling: a micro-batch's next round queued at the target before the verdict of the
-round it is running (docs/design.md, "The engine core").
+"""Async scheduling (``CoordinatorConfig.async_scheduling``, off by default): a micro-batch's
+next round queued at the target before the verdict of the round it is running
+(docs/design.md, section 4).
 
 Between two forwards of one micro-batch the coordinator takes a turn: it commits the verdict,
 pushes the stream deltas, admits and builds the next round. The target would idle for that
 turn; when the next round does not depend on the verdict, it is issued at once instead and the
-turn runs during the next forward. That is the case in a group without draft workers (its
-rounds never wait for blocks drafted from a verdict) while one micro-batch runs, unless a
-request is still being prefilled (the verdict says whether its prompt is cached) or being ended
-(cancelled, past its deadline, a stop string matched), or requests wait to join (they join at
-the next boundary instead of a round later). A request the running round ends by its length is
-left out of the next. With draft workers the rounds stay verdict-first: measured on the
-simulator with a badly drafted request among good ones at concurrency 4, rounds decided before
-their verdict cost the policy 19 % of its throughput.
+turn runs during the next forward. That is the case in a group that drafts nothing (its rounds
+never wait for blocks drafted from a verdict) while one micro-batch runs, unless a request is
+still being prefilled (the verdict says whether its prompt is cached) or being ended
+(cancelled, past its deadline, a stop string matched), or requests wait to join. A request the
+running round ends by its length is left out of the next; one submitted while the queued round
+has not started joins it (:class:`OpenRound`). With draft workers the rounds stay
+verdict-first: on the simulator, with a badly drafted request among good ones at concurrency
+4, rounds decided before their verdict cost the policy 19 % of its throughput.
 
 A request the running round ends otherwise (a stop token, a grammar's end) has nothing run for
 it in the queued round: the target freed it when it ended it, and skips an item scheduled ahead

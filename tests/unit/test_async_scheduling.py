@@ -1,6 +1,6 @@
 """Async scheduling: which rounds may be queued before the verdict of the one running, how the
 target answers an item for a request the round before ended, and what it gains on the
-simulator's virtual clock (docs/design.md, "The engine core")."""
+simulator's virtual clock (docs/design.md, section 4)."""
 
 from __future__ import annotations
 
