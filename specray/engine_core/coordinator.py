@@ -434,7 +434,7 @@ class Coordinator:
     def _choose_ks(self, index: int, requests: list[Request]) -> list[int]:
         caps = [self._cap(request) for request in requests]
         max_k = self.config.num_speculative_tokens
-        ks, probes, speculating = choose_ks(
+        ks, probes, self._speculating[index] = choose_ks(
             caps,
             [r.estimator.acceptance(max_k) for r in requests],
             [r.fixed_k for r in requests],
@@ -445,7 +445,6 @@ class Coordinator:
             self.config,
             has_drafts=self._pool is not None,
         )
-        self._speculating[index] = speculating
         for request, probe in zip(requests, probes, strict=True):
             request.probe = probe
         return ks
@@ -535,9 +534,10 @@ class Coordinator:
         """The next round, queued behind ``running`` before its verdict, when it does not
         depend on it (:mod:`specray.engine_core.async_scheduling`): in a group without drafts
         (its rounds never wait for blocks), when no other micro-batch runs; None otherwise."""
+        if not self.config.async_scheduling:  # (the default: nothing more to look at)
+            return None
         drafts = self._pool is not None and self.config.num_speculative_tokens > 0
-        others = any(batch for i, batch in enumerate(self._batches) if i != index)
-        if not self.config.async_scheduling or drafts or others:
+        if drafts or any(batch for i, batch in enumerate(self._batches) if i != index):
             return None
         admitting = bool(self._waiting) and self.num_running < self.config.max_running
         requests = next_round_ahead(

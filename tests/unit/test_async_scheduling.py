@@ -164,20 +164,20 @@ def test_target_only_rounds_hide_the_coordinators_turn_on_the_virtual_clock():
     assert free_fast["tokens_per_s"] < 1.12 * free_slow["tokens_per_s"]
 
 
+def _sim_coordinator(*, async_scheduling: bool) -> tuple[SimTargetBackend, Coordinator]:
+    """A target-only coordinator over a simulated target (20 ms rounds, 1 ms of turn)."""
+    latency = _latency(0.001)
+    target = SimTargetBackend(latency, AcceptanceModel((0.5,)), SimInbox(), random.Random(0))
+    config = CoordinatorConfig(num_speculative_tokens=0, async_scheduling=async_scheduling)
+    return target, Coordinator(target, None, config, vocab_size=VOCAB)
+
+
 def test_requests_the_queued_round_outlives_end_exactly_with_their_lengths():
     """On the simulator: every request gets exactly its max_tokens, rounds were queued ahead,
     and the target holds nothing at the end."""
 
     async def main():
-        latency = _latency(0.001)
-        inbox = SimInbox()
-        target = SimTargetBackend(latency, AcceptanceModel((0.5,)), inbox, random.Random(0))
-        coordinator = Coordinator(
-            target,
-            None,
-            CoordinatorConfig(num_speculative_tokens=0, async_scheduling=True),
-            vocab_size=VOCAB,
-        )
+        target, coordinator = _sim_coordinator(async_scheduling=True)
         await coordinator.start()
         lengths = [1, 2, 5, 9, 17]
         streams = [
@@ -202,15 +202,7 @@ def test_a_request_submitted_mid_round_joins_the_round_queued_behind_it():
 
     async def main(async_scheduling: bool):
         loop = asyncio.get_running_loop()
-        latency = _latency(0.001)
-        inbox = SimInbox()
-        target = SimTargetBackend(latency, AcceptanceModel((0.5,)), inbox, random.Random(0))
-        coordinator = Coordinator(
-            target,
-            None,
-            CoordinatorConfig(num_speculative_tokens=0, async_scheduling=async_scheduling),
-            vocab_size=VOCAB,
-        )
+        _, coordinator = _sim_coordinator(async_scheduling=async_scheduling)
         await coordinator.start()
         params = SamplingParams(temperature=0.0, max_tokens=12)
         first = [await coordinator.submit([5, 6, 7], params) for _ in range(2)]
