@@ -139,6 +139,22 @@ class TargetGroup:
             return False
         return True
 
+    def lost_a_rank(self) -> bool:
+        """A rank is certainly gone: a follower's loop ended, or rank 0 is dead (a slow
+        answer is not a death: :meth:`alive` times out on those)."""
+        import ray
+
+        done, _ = ray.wait(self._followers, timeout=0) if self._followers else ([], [])
+        if done:
+            return True
+        try:
+            ray.get(self.leader.ping.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return True
+        except (ray.exceptions.RayError, TimeoutError):
+            return False
+        return False
+
     def stop(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group

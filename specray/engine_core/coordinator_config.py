@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from specray.engine_core.policy import DraftCost, PolicyConfig, VerifyCost
-from specray.sampling import MAX_SPEC_LEN
+from specray.sampling.limits import MAX_SPEC_LEN
 
 # Cost priors until measurements arrive (seconds): verification barely growing with tokens and
 # a cheap draft, so speculation starts on and the fits take over within a few rounds.

@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import re
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
+# torch is imported where a device is resolved or timed, not here: configs are validated with
+# this module's spelling checks in processes that run no model (the Serve controller, the
+# ingress and coordinator replicas).
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 _PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -54,6 +59,8 @@ def resolve_device(spec: str = "auto", param: str = "device") -> torch.device:
     >>> resolve_device("cpu")
     device(type='cpu')
     """
+    import torch
+
     check_device_spec(spec, param)
     if spec == "cpu":
         return torch.device("cpu")
@@ -128,6 +135,8 @@ class DeviceTimer:
     def _mark(self) -> object:
         if not self.cuda:
             return time.perf_counter()
+        import torch
+
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -422,13 +423,18 @@ def _start_node(launch: NodeLaunch, state_dir: Path, env: dict) -> NodeRecord:
 
 
 def _stop_nodes(state: ClusterState, say: Say) -> None:
-    for node in reversed(state.nodes):  # workers first, the head (GCS) last
-        stopped = stop_session(node.session)
-        if stopped.processes:
-            forced = f", {stopped.killed} needed SIGKILL" if stopped.killed else ""
+    """The worker nodes together, then the head (its GCS last)."""
+    workers = [node for node in state.nodes if node.kind != "head"]
+    heads = [node for node in state.nodes if node.kind == "head"]
+    with ThreadPoolExecutor(max(len(workers), 1)) as pool:
+        stopped = list(pool.map(lambda node: stop_session(node.session), workers))
+    stopped += [stop_session(node.session) for node in heads]
+    for node, result in zip(workers + heads, stopped, strict=True):
+        if result.processes:
+            forced = f", {result.killed} needed SIGKILL" if result.killed else ""
             say(
-                f"      {node.name}: {stopped.processes} processes stopped in "
-                f"{stopped.seconds:.1f} s{forced}"
+                f"      {node.name}: {result.processes} processes stopped in "
+                f"{result.seconds:.1f} s{forced}"
             )
 
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from specray.sampling.argmax import row_argmax
+from specray.sampling.limits import MAX_SPEC_LEN
 from specray.sampling.rng import KeyedRandom, Purpose, keyed_uniforms, sample_from_probs
 
-MAX_SPEC_LEN = 32  # the most draft tokens one round may verify
 PLACEHOLDER_TOKEN_ID = -1  # pads token rows past each request's committed tokens
 # A residual with less mass than this means p == q up to rounding: rejection had probability
 # ~0, so the recovered token is drawn from p itself (the limit of the residual rule).

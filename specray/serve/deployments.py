@@ -50,6 +50,16 @@ async def _in_thread(fn, *args):
 # ---- target groups ---------------------------------------------------------------------
 class TargetWorkerDeployment:
     async def __init__(self, args: dict):
+        self.args = AppArgs(**args)
+        self.group_id = _replica_id()
+        self.registry = get_registry(_app_name())
+        self.group_restarts = 0
+        self.group = await self._start_group()
+        await self._register()
+        self._heartbeat = asyncio.create_task(self._renew())
+
+    async def _start_group(self):
+        """The TP ranks in this replica's placement group, rank 0 running the engine core."""
         import ray
 
         from specray.cluster.distributed import (
@@ -60,11 +70,8 @@ class TargetWorkerDeployment:
         )
         from specray.models.loading import load_model_info
 
-        self.args = AppArgs(**args)
-        self.group_id = _replica_id()
-        self.registry = get_registry(_app_name())
         pg = ray.util.get_current_placement_group()
-        self.group = await _in_thread(
+        group = await _in_thread(
             lambda: TargetGroup(
                 self.args.target,
                 self.args.tp_size,
@@ -79,17 +86,27 @@ class TargetWorkerDeployment:
         config = self.args.coordinator_config()
         if self.args.calibrate and self.args.adaptive_k and self.args.draft is not None:
             grid = list(START_CALIBRATION_GRID)
-            measured = await self.group.leader.calibrate.remote(grid)
+            measured = await group.leader.calibrate.remote(grid)
             config = replace(config, verify_prior=verify_cost_table(measured))
         # The round loop runs beside rank 0's forward: front ends open sessions on it.
-        await self.group.leader.start_engine_core.remote(
+        await group.leader.start_engine_core.remote(
             config,
             with_drafts=self.args.draft is not None,
             max_positions=info.max_positions,
             model_name=self.args.served_name,
         )
+        return group
+
+    async def _restart_group(self) -> None:
+        """A rank died: the group restarts as a unit in this replica's placement group, under
+        the same group id (front ends and drafts follow its new address; front ends resume
+        the requests it held). Left to Serve, the failing health check would take three
+        periods (30 s) before the replica were replaced."""
+        await _in_thread(self.group.stop)
+        self.group = await self._start_group()
+        self.group_restarts += 1
         await self._register()
-        self._heartbeat = asyncio.create_task(self._renew())
+        log.warning("target group %s lost a rank and restarted", self.group_id)
 
     async def _register(self) -> None:
         await self.registry.add_target.remote(
@@ -99,15 +116,22 @@ class TargetWorkerDeployment:
     async def _renew(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
-            with contextlib.suppress(Exception):
-                await self._register()
+            with contextlib.suppress(Exception):  # failing: the next heartbeat tries again
+                if await _in_thread(self.group.lost_a_rank):
+                    await self._restart_group()
+                else:
+                    await self._register()
 
     async def check_health(self) -> None:
         if not await _in_thread(self.group.alive):
             raise RuntimeError(f"target group {self.group_id} lost a rank")
 
     async def status(self) -> dict:
-        return {"group_id": self.group_id, "address": self.group.address}
+        return {
+            "group_id": self.group_id,
+            "address": self.group.address,
+            "restarts": self.group_restarts,
+        }
 
     async def __del__(self):
         if hasattr(self, "_heartbeat"):  # __init__ may have failed before it
@@ -121,15 +145,11 @@ class TargetWorkerDeployment:
 # ---- the draft pool --------------------------------------------------------------------
 class DraftWorkerDeployment:
     async def __init__(self, args: dict):
-        from specray.cluster.distributed import start_draft_actor
-
         self.args = AppArgs(**args)
         self.worker_id = _replica_id()
         self.registry = get_registry(_app_name())
-        self.actor = start_draft_actor(
-            self.args.target, self.args.draft, self.args.draft_probs_encoding, self.args.placement()
-        )
-        await self.actor.stats.remote()  # the model is loaded
+        self.actor = await self._start_actor()
+        self.actor_restarts = 0
         self.address: str | None = None
         self._busy = (time.monotonic(), 0.0)  # (when, busy seconds) at the last stats report
         self.utilization = 0.0
@@ -147,6 +167,30 @@ class DraftWorkerDeployment:
             await asyncio.sleep(0.5)
         self._heartbeat = asyncio.create_task(self._renew())
 
+    async def _start_actor(self):
+        from specray.cluster.distributed import start_draft_actor
+
+        args = self.args
+        actor = start_draft_actor(
+            args.target, args.draft, args.draft_probs_encoding, args.placement()
+        )
+        await actor.stats.remote()  # the model is loaded
+        return actor
+
+    async def _replace_actor(self) -> None:
+        """The draft actor died (its process was killed or crashed): start another in its
+        place under this replica's worker id, loaded and connected, at the next heartbeat.
+        Left to Serve, the replica's failing health check would take three periods (30 s)."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor)
+        self.actor = await self._start_actor()
+        self.actor_restarts += 1
+        self.address = None  # the new actor connects to the group anew
+        await self._register()
+        log.warning("draft worker %s: its actor died and was replaced", self.worker_id)
+
     async def _register(self) -> bool:
         """Join (or stay in) a group's pool; reconnect when the group changed."""
         assignment = await self.registry.add_draft.remote(self.worker_id, None)
@@ -159,11 +203,17 @@ class DraftWorkerDeployment:
         return True
 
     async def _renew(self) -> None:
+        import ray
+
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 await self._register()
                 stats = await self.actor.stats.options(enable_task_events=False).remote()
+            except ray.exceptions.ActorDiedError:
+                with contextlib.suppress(Exception):  # failing: the next heartbeat tries again
+                    await self._replace_actor()
+                continue
             except Exception as error:
                 log.warning("draft worker heartbeat failed: %s", error)
                 continue
@@ -179,12 +229,26 @@ class DraftWorkerDeployment:
         return draft_worker_stats(draft_utilization=self.utilization)
 
     async def check_health(self) -> None:
-        await asyncio.wait_for(
-            self.actor.stats.options(enable_task_events=False).remote(), timeout=20
-        )
+        import ray
+
+        try:
+            await asyncio.wait_for(
+                self.actor.stats.options(enable_task_events=False).remote(), timeout=20
+            )
+        except ray.exceptions.RayActorError as error:
+            # Serve reads an actor error from a health check as this replica's own crash and
+            # replaces it at once; the actor is this replica's to replace (``_renew``).
+            raise RuntimeError(
+                f"draft worker {self.worker_id}: its actor is down: {error}"
+            ) from None
 
     async def status(self) -> dict:
-        return {"worker_id": self.worker_id, "address": self.address, "util": self.utilization}
+        return {
+            "worker_id": self.worker_id,
+            "address": self.address,
+            "util": self.utilization,
+            "actor_restarts": self.actor_restarts,
+        }
 
     async def __del__(self):
         import ray
@@ -258,7 +322,14 @@ class CoordinatorDeployment:
         return coordinator_stats(**self.engine["load"], target_busy_fraction=fraction)
 
     async def check_health(self) -> None:
-        await asyncio.wait_for(self.leader.ping.remote(), timeout=20)
+        import ray
+
+        try:
+            await asyncio.wait_for(self.leader.ping.remote(), timeout=20)
+        except ray.exceptions.RayActorError as error:
+            # Its group is down (it restarts in place, and the next claim reads its new rank
+            # 0): not this replica's crash, which is what Serve reads an actor error as.
+            raise RuntimeError(f"target group {self.group_id} is down: {error}") from None
 
     async def __del__(self):
         if hasattr(self, "_heartbeat"):  # __init__ may have failed before it

@@ -17,7 +17,9 @@ import contextlib
 import time
 
 REGISTRY_NAMESPACE = "specray"
-CLAIM_TTL_S = 30.0  # a coordinator that has not renewed its claim this long lost it
+# A coordinator that has not renewed its claim this long (five missed heartbeats) lost it: a
+# replacement for a killed one claims the group then.
+CLAIM_TTL_S = 10.0
 DRAFT_TTL_S = 10.0  # a draft worker that has not renewed this long is out of the pool
 
 

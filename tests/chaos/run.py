@@ -63,10 +63,10 @@ PROFILES = {
         clients=3,
         faults=[
             Fault(8, "kill_draft_worker"),
-            Fault(30, "link_drop", hold_s=8),
-            Fault(45, "kill_coordinator"),
+            Fault(22, "link_drop", hold_s=8),
+            Fault(32, "kill_coordinator"),
         ],
-        tail_s=15,
+        tail_s=10,
         soak_s=0,
     ),
     "full": dict(

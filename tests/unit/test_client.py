@@ -291,3 +291,24 @@ except ImportError:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_the_serve_app_builds_and_validates_its_config_without_torch():
+    """The Serve controller builds the app and the coordinator replicas run on configs alone:
+    neither imports torch or transformers (seconds of CPU per process at start)."""
+    code = """
+import sys
+sys.modules["torch"] = None  # any import of torch now fails
+from specray.serve.app import build_app
+from specray.serve.config import AppArgs
+args = AppArgs(target="default", draft="ngram", num_speculative_tokens=3)
+build_app(args)
+heavy = [name for name in ("torch", "transformers") if sys.modules.get(name) is not None]
+assert not heavy, heavy
+print("ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
