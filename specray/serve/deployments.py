@@ -47,6 +47,26 @@ async def _in_thread(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+class Repair:
+    """A replica replacing its own dead actors: healthy to Serve while that is under way, for
+    up to ``timeout_s`` from the first attempt (a model may take minutes to load; three failed
+    health checks, 30 s, would have Serve replace the replica mid-repair)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.since: float | None = None  # the first attempt of the repair under way
+
+    def begin(self) -> None:
+        if self.since is None:  # a retry keeps the first attempt's clock
+            self.since = time.monotonic()
+
+    def end(self) -> None:
+        self.since = None
+
+    def under_way(self) -> bool:
+        return self.since is not None and time.monotonic() - self.since < self.timeout_s
+
+
 # ---- target groups ---------------------------------------------------------------------
 class TargetWorkerDeployment:
     async def __init__(self, args: dict):
@@ -54,6 +74,7 @@ class TargetWorkerDeployment:
         self.group_id = _replica_id()
         self.registry = get_registry(_app_name())
         self.group_restarts = 0
+        self.repair = Repair(self.args.startup_timeout_s)
         self.group = await self._start_group()
         await self._register()
         self._heartbeat = asyncio.create_task(self._renew())
@@ -82,19 +103,23 @@ class TargetWorkerDeployment:
                 keep_features=reads_target_features(self.args.draft),
             )
         )
-        info = await _in_thread(load_model_info, self.args.target)
-        config = self.args.coordinator_config()
-        if self.args.calibrate and self.args.adaptive_k and self.args.draft is not None:
-            grid = list(START_CALIBRATION_GRID)
-            measured = await group.leader.calibrate.remote(grid)
-            config = replace(config, verify_prior=verify_cost_table(measured))
-        # The round loop runs beside rank 0's forward: front ends open sessions on it.
-        await group.leader.start_engine_core.remote(
-            config,
-            with_drafts=self.args.draft is not None,
-            max_positions=info.max_positions,
-            model_name=self.args.served_name,
-        )
+        try:
+            info = await _in_thread(load_model_info, self.args.target)
+            config = self.args.coordinator_config()
+            if self.args.calibrate and self.args.adaptive_k and self.args.draft is not None:
+                grid = list(START_CALIBRATION_GRID)
+                measured = await group.leader.calibrate.remote(grid)
+                config = replace(config, verify_prior=verify_cost_table(measured))
+            # The round loop runs beside rank 0's forward: front ends open sessions on it.
+            await group.leader.start_engine_core.remote(
+                config,
+                with_drafts=self.args.draft is not None,
+                max_positions=info.max_positions,
+                model_name=self.args.served_name,
+            )
+        except BaseException:
+            await _in_thread(group.stop)  # its ranks would hold the placement group's bundles
+            raise
         return group
 
     async def _restart_group(self) -> None:
@@ -102,10 +127,12 @@ class TargetWorkerDeployment:
         the same group id (front ends and drafts follow its new address; front ends resume
         the requests it held). Left to Serve, the failing health check would take three
         periods (30 s) before the replica were replaced."""
+        self.repair.begin()
         await _in_thread(self.group.stop)
         self.group = await self._start_group()
         self.group_restarts += 1
         await self._register()
+        self.repair.end()
         log.warning("target group %s lost a rank and restarted", self.group_id)
 
     async def _register(self) -> None:
@@ -123,6 +150,8 @@ class TargetWorkerDeployment:
                     await self._register()
 
     async def check_health(self) -> None:
+        if self.repair.under_way():
+            return
         if not await _in_thread(self.group.alive):
             raise RuntimeError(f"target group {self.group_id} lost a rank")
 
@@ -150,6 +179,7 @@ class DraftWorkerDeployment:
         self.registry = get_registry(_app_name())
         self.actor = await self._start_actor()
         self.actor_restarts = 0
+        self.repair = Repair(self.args.startup_timeout_s)
         self.address: str | None = None
         self._busy = (time.monotonic(), 0.0)  # (when, busy seconds) at the last stats report
         self.utilization = 0.0
@@ -183,12 +213,14 @@ class DraftWorkerDeployment:
         Left to Serve, the replica's failing health check would take three periods (30 s)."""
         import ray
 
+        self.repair.begin()
         with contextlib.suppress(Exception):
             ray.kill(self.actor)
         self.actor = await self._start_actor()
         self.actor_restarts += 1
         self.address = None  # the new actor connects to the group anew
         await self._register()
+        self.repair.end()
         log.warning("draft worker %s: its actor died and was replaced", self.worker_id)
 
     async def _register(self) -> bool:
@@ -231,6 +263,8 @@ class DraftWorkerDeployment:
     async def check_health(self) -> None:
         import ray
 
+        if self.repair.under_way():
+            return
         try:
             await asyncio.wait_for(
                 self.actor.stats.options(enable_task_events=False).remote(), timeout=20
