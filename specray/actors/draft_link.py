@@ -12,6 +12,7 @@ the worker's draft-ahead yields (``on_arrival``), exactly as for a call made any
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -55,7 +56,8 @@ class DraftLink:
         self.messages_received = 0
         self.commands_run = 0
         self._open()
-        threading.Thread(target=self._serve, name="draft-commands", daemon=True).start()
+        self._server = threading.Thread(target=self._serve, name="draft-commands", daemon=True)
+        self._server.start()
 
     @property
     def commands_waiting(self) -> int:
@@ -140,9 +142,16 @@ class DraftLink:
         """Blocks delayed by an injected link fault (the chaos suite)."""
         threading.Timer(delay_s, self.send_blocks, (blocks,)).start()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop taking commands (those not started are dropped) and close the stream;
+        ``timeout_s``: wait that long for a command under way to end."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._commands.get_nowait()
         self._commands.put(None)
         with self._lock:
             if self._outbox is not None:
                 self._outbox.put(None)
                 self._outbox = None
+        if timeout_s is not None and threading.current_thread() is not self._server:
+            self._server.join(timeout_s)

@@ -138,7 +138,13 @@ class DraftWorker:
 
     # ---- the stream to the engine core -------------------------------------------------
     def connect(self, target_address: str, worker_id: str | None = None) -> str:
-        """Open the stream to the target group's rank 0; returns this worker's id there."""
+        """Open the stream to the target group's rank 0; returns this worker's id there. A
+        worker moved to another engine core (its group restarted or was replaced) first
+        forgets what the previous one gave it: that one is gone, and the new one never saw
+        those requests (they would be held for ever)."""
+        if self.link is not None:
+            self.link.close(timeout_s=30)
+            self.release(list(self.requests))
         self.link = DraftLink(
             target_address,
             take_verdict=self._on_verdict,

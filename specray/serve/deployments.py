@@ -178,8 +178,6 @@ class DraftWorkerDeployment:
         self.worker_id = _replica_id()
         self.registry = get_registry(_app_name())
         self.actor = await self._start_actor()
-        self.actor_restarts = 0
-        self.repair = Repair(self.args.startup_timeout_s)
         self.address: str | None = None
         self._busy = (time.monotonic(), 0.0)  # (when, busy seconds) at the last stats report
         self.utilization = 0.0
@@ -207,22 +205,6 @@ class DraftWorkerDeployment:
         await actor.stats.remote()  # the model is loaded
         return actor
 
-    async def _replace_actor(self) -> None:
-        """The draft actor died (its process was killed or crashed): start another in its
-        place under this replica's worker id, loaded and connected, at the next heartbeat.
-        Left to Serve, the replica's failing health check would take three periods (30 s)."""
-        import ray
-
-        self.repair.begin()
-        with contextlib.suppress(Exception):
-            ray.kill(self.actor)
-        self.actor = await self._start_actor()
-        self.actor_restarts += 1
-        self.address = None  # the new actor connects to the group anew
-        await self._register()
-        self.repair.end()
-        log.warning("draft worker %s: its actor died and was replaced", self.worker_id)
-
     async def _register(self) -> bool:
         """Join (or stay in) a group's pool; reconnect when the group changed."""
         assignment = await self.registry.add_draft.remote(self.worker_id, None)
@@ -235,17 +217,11 @@ class DraftWorkerDeployment:
         return True
 
     async def _renew(self) -> None:
-        import ray
-
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 await self._register()
                 stats = await self.actor.stats.options(enable_task_events=False).remote()
-            except ray.exceptions.ActorDiedError:
-                with contextlib.suppress(Exception):  # failing: the next heartbeat tries again
-                    await self._replace_actor()
-                continue
             except Exception as error:
                 log.warning("draft worker heartbeat failed: %s", error)
                 continue
@@ -261,27 +237,17 @@ class DraftWorkerDeployment:
         return draft_worker_stats(draft_utilization=self.utilization)
 
     async def check_health(self) -> None:
-        import ray
-
-        if self.repair.under_way():
-            return
-        try:
-            await asyncio.wait_for(
-                self.actor.stats.options(enable_task_events=False).remote(), timeout=20
-            )
-        except ray.exceptions.RayActorError as error:
-            # Serve reads an actor error from a health check as this replica's own crash and
-            # replaces it at once; the actor is this replica's to replace (``_renew``).
-            raise RuntimeError(
-                f"draft worker {self.worker_id}: its actor is down: {error}"
-            ) from None
+        # A dead draft actor fails this with its actor error, which Serve reads as this
+        # replica's crash: it replaces the replica (and so the actor) at the next check.
+        await asyncio.wait_for(
+            self.actor.stats.options(enable_task_events=False).remote(), timeout=20
+        )
 
     async def status(self) -> dict:
         return {
             "worker_id": self.worker_id,
             "address": self.address,
             "util": self.utilization,
-            "actor_restarts": self.actor_restarts,
         }
 
     async def __del__(self):
