@@ -126,12 +126,17 @@ class TargetGroup:
         self.leader = self.ranks[0]
         self.address = self.info[0]["address"]
 
+    def _a_follower_ended(self) -> bool:
+        import ray
+
+        done, _ = ray.wait(self._followers, timeout=0) if self._followers else ([], [])
+        return bool(done)
+
     def alive(self, timeout_s: float = 10.0) -> bool:
         """Rank 0 answers and no follower loop has ended (a dead rank ends the group)."""
         import ray
 
-        done, _ = ray.wait(self._followers, timeout=0) if self._followers else ([], [])
-        if done:
+        if self._a_follower_ended():
             return False
         try:
             ray.get(self.leader.ping.remote(), timeout=timeout_s)
@@ -144,15 +149,14 @@ class TargetGroup:
         answer is not a death: :meth:`alive` times out on those)."""
         import ray
 
-        done, _ = ray.wait(self._followers, timeout=0) if self._followers else ([], [])
-        if done:
+        if self._a_follower_ended():
             return True
         try:
             ray.get(self.leader.ping.remote(), timeout=30)
         except ray.exceptions.RayActorError:
             return True
         except (ray.exceptions.RayError, TimeoutError):
-            return False
+            pass
         return False
 
     def stop(self) -> None:

@@ -48,8 +48,8 @@ async def _in_thread(fn, *args):
 
 
 class Repair:
-    """A replica replacing its own dead actors: healthy to Serve while that is under way, for
-    up to ``timeout_s`` from the first attempt (a model may take minutes to load; three failed
+    """A replica restarting its own target group: healthy to Serve while that is under way,
+    for up to ``timeout_s`` from the first attempt (a model may take minutes to load; three failed
     health checks, 30 s, would have Serve replace the replica mid-repair)."""
 
     def __init__(self, timeout_s: float):
@@ -174,10 +174,15 @@ class TargetWorkerDeployment:
 # ---- the draft pool --------------------------------------------------------------------
 class DraftWorkerDeployment:
     async def __init__(self, args: dict):
+        from specray.cluster.distributed import start_draft_actor
+
         self.args = AppArgs(**args)
         self.worker_id = _replica_id()
         self.registry = get_registry(_app_name())
-        self.actor = await self._start_actor()
+        self.actor = start_draft_actor(
+            self.args.target, self.args.draft, self.args.draft_probs_encoding, self.args.placement()
+        )
+        await self.actor.stats.remote()  # the model is loaded
         self.address: str | None = None
         self._busy = (time.monotonic(), 0.0)  # (when, busy seconds) at the last stats report
         self.utilization = 0.0
@@ -194,16 +199,6 @@ class DraftWorkerDeployment:
                 raise RuntimeError("no target group registered before startup_timeout_s")
             await asyncio.sleep(0.5)
         self._heartbeat = asyncio.create_task(self._renew())
-
-    async def _start_actor(self):
-        from specray.cluster.distributed import start_draft_actor
-
-        args = self.args
-        actor = start_draft_actor(
-            args.target, args.draft, args.draft_probs_encoding, args.placement()
-        )
-        await actor.stats.remote()  # the model is loaded
-        return actor
 
     async def _register(self) -> bool:
         """Join (or stay in) a group's pool; reconnect when the group changed."""
