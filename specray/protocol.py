@@ -37,8 +37,9 @@ import msgpack
 from specray.sampling.logprobs import TokenLogprob
 from specray.sampling.params import SamplingParams
 
-PROTOCOL_VERSION = 4  # 2: logprobs in VerifyResult and Delta; 3: VerifyResult.error, and
-# RoundReport.num_tokens / kv_cache_usage; 4: VerifyItem.scheduled_ahead, VerifyResult.ended
+PROTOCOL_VERSION = 5  # 2: logprobs in VerifyResult and Delta; 3: VerifyResult.error, and
+# RoundReport.num_tokens / kv_cache_usage; 4: VerifyItem.scheduled_ahead, VerifyResult.ended;
+# 5: RoundReport.shared_tokens
 # Explicit msgpack limits on a decoded message (docs/design.md section 6): a message over them is
 # refused whole. Strings are request ids (at most 128 characters), enum values and finish reasons.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -133,6 +134,7 @@ class RoundReport:
     forward_s: float = 0.0  # the verification forward alone
     service_s: float = 0.0  # inside the call
     num_tokens: int = 0  # tokens the round's forwards ran: prompts prefilled and verification
+    shared_tokens: int = 0  # of num_tokens, copied from a row fed the same (models/shared_rows)
     kv_cache_usage: float = 0.0  # after the round: the share of the target's KV slots in use
 
 

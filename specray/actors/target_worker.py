@@ -215,7 +215,7 @@ class TargetWorker:
         over their streams; the report carries the results and the round's timing.
         """
         entered = time.perf_counter()
-        fed_before = self.runner.tokens_fed
+        fed_before, shared_before = self.runner.tokens_fed, self.runner.tokens_shared
         items, ended = self.rounds.live(round_.items)
         if not items:  # scheduled ahead for requests the round before ended: nothing to run
             return RoundReport(
@@ -300,6 +300,7 @@ class TargetWorker:
             forward_s=forward_s,
             service_s=service_s,
             num_tokens=self.runner.tokens_fed - fed_before,
+            shared_tokens=self.runner.tokens_shared - shared_before,
             kv_cache_usage=self.runner.kv_cache_usage,
         )
 

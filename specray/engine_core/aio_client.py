@@ -28,6 +28,11 @@ from specray.v1 import speculation_pb2 as pb
 from specray.v1 import speculation_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+# Batches queued while the previous message was being written go out as one message, up to
+# this many bytes of their own encodings: the n choices of one call (submitted in one turn of
+# the loop) reach the engine core together, so it admits them to one round, whose forward
+# computes their shared prompt once (models/shared_rows.py).
+MERGE_BYTES = 4 * 1024 * 1024
 
 
 class AsyncClientStream(RequestStream):
@@ -103,8 +108,20 @@ class AsyncEngineCoreClient:
         self._reader = asyncio.create_task(self._read(), name="engine-core-session")
 
     async def _messages(self):
-        while (payload := await self._outbox.get()) is not None:
-            yield pb.FrontendMessage(payload=payload)
+        """What is queued, as few messages as :data:`MERGE_BYTES` allows (in order: a
+        request's abort or finish never goes before its submission)."""
+        while (first := await self._outbox.get()) is not None:
+            queued, size, closing = [first], len(first[1]), False
+            while size < MERGE_BYTES and not self._outbox.empty():
+                item = self._outbox.get_nowait()
+                if item is None:
+                    closing = True
+                    break
+                queued.append(item)
+                size += len(item[1])
+            yield pb.FrontendMessage(payload=_merged(queued))
+            if closing:
+                return
 
     async def _read(self) -> None:
         error: SpecrayError = UnavailableError("the engine core closed the session")
@@ -159,17 +176,18 @@ class AsyncEngineCoreClient:
             committed_token_ids=tuple(committed_token_ids),
             stream=stream,
         )
-        payload = frontend_bytes(FrontendBatch(submits=(submit,)))
+        batch = FrontendBatch(submits=(submit,))
+        payload = frontend_bytes(batch)  # checked alone: an invalid request fails alone
         stream = AsyncClientStream(request_id, prompt_token_ids, params, committed_token_ids)
         self._streams[request_id] = stream
-        self._outbox.put_nowait(payload)
+        self._outbox.put_nowait((batch, payload))
         await stream.admitted
         return stream
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its stream ends with RequestCancelledError when the engine core
         has freed it. False if it is not in flight here."""
-        self._outbox.put_nowait(encode(FrontendBatch(aborts=(request_id,))))
+        self._send(FrontendBatch(aborts=(request_id,)))
         return request_id in self._streams
 
     async def finish(self, request_id: str) -> RequestOutput | None:
@@ -178,11 +196,14 @@ class AsyncEngineCoreClient:
         stream = self._streams.get(request_id)
         if stream is None:
             return None
-        self._outbox.put_nowait(encode(FrontendBatch(finishes=(request_id,))))
+        self._send(FrontendBatch(finishes=(request_id,)))
         with contextlib.suppress(SpecrayError):
             async for _ in stream:
                 pass
         return stream.output
+
+    def _send(self, batch: FrontendBatch) -> None:
+        self._outbox.put_nowait((batch, encode(batch)))
 
     async def metrics_text(self) -> bytes:
         return await self._metrics_text() if self._metrics_text is not None else b""
@@ -192,3 +213,17 @@ class AsyncEngineCoreClient:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._reader, 10)
         await self._channel.close()
+
+
+def _merged(queued: Sequence[tuple[FrontendBatch, bytes]]) -> bytes:
+    """One payload for the queued ``(batch, its encoding)`` pairs."""
+    if len(queued) == 1:
+        return queued[0][1]
+    batches = [batch for batch, _ in queued]
+    return encode(
+        FrontendBatch(
+            submits=tuple(submit for batch in batches for submit in batch.submits),
+            aborts=tuple(request_id for batch in batches for request_id in batch.aborts),
+            finishes=tuple(request_id for batch in batches for request_id in batch.finishes),
+        )
+    )

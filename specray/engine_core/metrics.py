@@ -92,6 +92,11 @@ class CoordinatorMetrics:
             "Tokens a target round ran (prompts prefilled and verified tokens).",
             TOKEN_BUCKETS,
         )
+        self.shared_tokens = counter(
+            "shared_tokens",
+            "Tokens fed to the target but copied from a row fed the same over the same cache "
+            "(the n choices of one prompt prefill it once).",
+        )
         self.kv_cache_usage = gauge(
             "kv_cache_usage_perc", "Share of the target's allocated KV slots in use (1 = 100%)."
         )

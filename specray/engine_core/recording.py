@@ -72,6 +72,8 @@ def record_round(
         costs.add_verify(len(verified), widest, verify_s, verify_prior)
     if reply.num_tokens:
         metrics.labels(metrics.iteration_tokens).observe(reply.num_tokens)
+    if reply.shared_tokens:
+        metrics.labels(metrics.shared_tokens).inc(reply.shared_tokens)
     metrics.labels(metrics.kv_cache_usage).set(reply.kv_cache_usage)
     elapsed = now - stats.started_s
     if elapsed > 0:

@@ -8,9 +8,10 @@ log-probabilities that differ in the fifth decimal between those forwards (docs/
 logprobs differ with the batch. In this mode every product a token's row takes part in has a
 shape that depends on the model alone:
 
-- linears: rows zero-padded to a multiple of :data:`TILE_ROWS` (BLAS computes a row of such
-  a product the same way whatever the multiple, and whatever the other rows; one row alone
-  takes another kernel);
+- linears: rows zero-padded to a multiple of :data:`TILE_ROWS`, through oneDNN's packed
+  kernel (one kernel whatever the multiple), or else one BLAS product per tile of exactly
+  TILE_ROWS rows (MKL on CPUs with AMX computes a row of an 8-row product unlike the same row
+  of a 16-row one; one row alone takes yet another kernel);
 - attention: each KV head's query rows padded the same way; slots padded with zeros up to a
   multiple of :data:`SLOT_CHUNK`; the softmax denominator comes out of the same product as the
   numerator (a column of ones beside the values), so masked and padding slots add exact zeros
@@ -48,10 +49,12 @@ BATCH_INVARIANT_ATTENTION = "specray_batch_invariant"
 
 
 def invariant_linear(module: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
-    """``module``'s product with the rows zero-padded to a multiple of TILE_ROWS, in one
-    call (the weight is read once), through oneDNN with the weight packed for this CPU where
-    :func:`make_batch_invariant` packed it (one kernel for every row count: kernels differ in
-    rounding): [..., in] -> [..., out]."""
+    """``module``'s product with the rows zero-padded to a multiple of TILE_ROWS: through
+    oneDNN with the weight packed for this CPU where :func:`make_batch_invariant` packed it, in
+    one call (the weight is read once; one kernel for every row count); otherwise one product
+    of exactly TILE_ROWS rows per tile, since BLAS libraries choose kernels (and so rounding)
+    by shape, and some (MKL on CPUs with AMX) compute a row of an 8-row product unlike the
+    same row of a 16-row one: [..., in] -> [..., out]."""
     flat = inputs.reshape(-1, module.in_features)  # [n, in]
     rows = flat.shape[0]
     padded = _pad_rows(flat, -(-rows // TILE_ROWS) * TILE_ROWS)  # [n', in]
@@ -59,7 +62,8 @@ def invariant_linear(module: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
     if packed is not None:
         out = onednn_linear(padded, packed, module.bias)
     else:
-        out = F.linear(padded, module.weight, module.bias)
+        tiles = padded.split(TILE_ROWS)  # each [TILE_ROWS, in]
+        out = torch.cat([F.linear(tile, module.weight, module.bias) for tile in tiles])
     return out[:rows].reshape(*inputs.shape[:-1], module.out_features)  # [..., out]
 
 

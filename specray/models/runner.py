@@ -36,6 +36,7 @@ from specray.models.packing import (
     should_pack,
     use_packed_attention,
 )
+from specray.models.shared_rows import Histories, trailing, widened
 from specray.models.slot_cache import SlotCache
 
 # Model families whose logits are exactly ``lm_head(hidden)``: for them the runner computes
@@ -141,6 +142,8 @@ class ModelRunner:
         self._tuned_head = tune_head(head) if tune and plain_head else None
         self.head_s = 0.0  # seconds in the head (logits), over the runner's life: benchmarks
         self.tokens_fed = 0  # tokens run through forwards, over the runner's life: metrics
+        self.tokens_shared = 0  # tokens fed but copied from a row computing the same (life)
+        self.histories = Histories()  # which rows hold the same cache (models/shared_rows.py)
         self.cache: SlotCache | None = None
         self.seq_ids: list[Hashable] = []  # row order of the cache
         self.lengths: list[int] = []  # tokens cached per row (slots 0 .. length - 1)
@@ -171,6 +174,7 @@ class ModelRunner:
         drop = set(seq_ids) & set(self.seq_ids)
         if not drop:
             return
+        self.histories.forget(list(drop))
         keep = [row for row, seq_id in enumerate(self.seq_ids) if seq_id not in drop]
         if not keep:
             self.cache, self.seq_ids, self.lengths = None, [], []
@@ -190,6 +194,7 @@ class ModelRunner:
                 f"cannot roll back {num_tokens} tokens of a {self.lengths[row]}-token sequence"
             )
         self.lengths[row] -= num_tokens  # the next forward overwrites those slots
+        self.histories.diverge(seq_id)
 
     # ---- calibration -------------------------------------------------------------------
     @torch.inference_mode()
@@ -199,7 +204,16 @@ class ModelRunner:
         """Best-of-``repeats`` seconds of one forward of ``tokens`` new tokens (with logits) for
         ``batch`` sequences of ``context`` cached tokens: the cost model's measurements."""
         ids = [f"calibration-{row}" for row in range(batch)]  # strings: msgpack-safe (TP)
-        self.forward({seq_id: [1] * context for seq_id in ids}, {})
+        # Each row its own history (its index in base vocab first): identical rows would share
+        # one computation (models/shared_rows.py), and the forward timed would be one row's.
+        vocab = self.vocab_size
+        self.forward(
+            {
+                seq_id: [row % vocab, row // vocab % vocab] + [1] * (context - 2)
+                for row, seq_id in enumerate(ids)
+            },
+            {},
+        )
         best = float("inf")
         for _ in range(repeats):
             timer = DeviceTimer(self.device).start()
@@ -236,8 +250,8 @@ class ModelRunner:
         return logits if num_hidden is None else (logits, hidden)
 
     def _forward(self, new_token_ids, num_logits, num_hidden, features):
-        """:meth:`forward`'s work: returns ``(logits, hidden)`` (hidden ``{}`` unless asked)."""
-        hidden: dict[Hashable, torch.Tensor] = {}
+        """:meth:`forward`'s work: returns ``(logits, hidden)`` (hidden ``{}`` unless asked);
+        rows that would compute the same as another of this forward copy it instead."""
         reads_features = hasattr(self.model, "embed_with_features")
         if reads_features != (features is not None):
             raise ValueError(
@@ -256,6 +270,50 @@ class ModelRunner:
             if features is not None and len(features.get(seq_id, ())) != count:
                 raise ValueError(f"features for {seq_id!r} must have {count} rows")
         self.tokens_fed += sum(counts.values())
+        shared = self.histories.plan(new_token_ids, features)
+        if not shared:
+            result = self._compute(new_token_ids, num_logits, num_hidden, features)
+        else:
+            result = self._compute_shared(new_token_ids, num_logits, num_hidden, features, shared)
+        self.histories.advance(list(new_token_ids), shared)
+        return result
+
+    def _compute_shared(self, new_token_ids, num_logits, num_hidden, features, shared):
+        """:meth:`_compute` of the rows that do not share, then each sharing row takes its
+        source's new KV slots and outputs (``shared``: row -> source, same history and feed)."""
+        run = {seq_id: tokens for seq_id, tokens in new_token_ids.items() if seq_id not in shared}
+        run_features = None if features is None else {seq_id: features[seq_id] for seq_id in run}
+        logits, hidden = self._compute(
+            run, widened(num_logits, shared), widened(num_hidden, shared), run_features
+        )
+        fresh = [seq_id for seq_id in shared if seq_id not in self.seq_ids]
+        used_rows, used_slots = len(self.seq_ids), self.num_slots
+        self.seq_ids.extend(fresh)
+        self.lengths.extend([0] * len(fresh))
+        row_of = {seq_id: row for row, seq_id in enumerate(self.seq_ids)}
+        self.cache.reserve(len(self.seq_ids), used_slots, used_rows, used_slots)
+        for seq_id, source in shared.items():
+            row, count = row_of[seq_id], len(new_token_ids[seq_id])
+            start = self.lengths[row]  # the source's length before this forward
+            self.cache.copy_slots(row_of[source], [row], start, start + count)
+            self.lengths[row] += count
+            self.tokens_shared += count
+            if seq_id in num_logits:
+                logits[seq_id] = trailing(logits[source], num_logits[seq_id])
+            if seq_id in num_hidden:
+                hidden[seq_id] = trailing(hidden[source], num_hidden[seq_id])
+        for source in set(shared.values()):  # back to what the source itself asked for
+            for asked, outputs in ((num_logits, logits), (num_hidden, hidden)):
+                if source not in asked:
+                    outputs.pop(source, None)
+                elif len(outputs[source]) > asked[source]:
+                    outputs[source] = outputs[source][-asked[source] :]
+        return logits, hidden
+
+    def _compute(self, new_token_ids, num_logits, num_hidden, features):
+        """The forward of ``new_token_ids`` (checked): ``(logits, hidden)``."""
+        hidden: dict[Hashable, torch.Tensor] = {}
+        counts = {seq_id: len(tokens) for seq_id, tokens in new_token_ids.items()}
         fresh = [seq_id for seq_id in new_token_ids if seq_id not in self.seq_ids]
         self.seq_ids.extend(fresh)
         self.lengths.extend([0] * len(fresh))
@@ -467,6 +525,8 @@ class ModelRunner:
         )
         self.seq_ids.extend(seq_ids)
         self.lengths.extend(lengths)
+        for seq_id in seq_ids:
+            self.histories.diverge(seq_id)
 
 
 def _windows(config) -> dict[str, int | None]:

@@ -158,6 +158,14 @@ class SlotCache:
                 stored[start : len(order), :, :used_slots] = moved
 
     @torch.inference_mode()
+    def copy_slots(self, source_row: int, rows: list[int], start: int, stop: int) -> None:
+        """Set slots ``start .. stop - 1`` of ``rows`` to those of ``source_row`` in every layer
+        (a row that shares another's forward: models/shared_rows.py)."""
+        for layer in self.layers:
+            for stored in (layer.keys, layer.values):  # [rows, kv_heads, slots, dim]
+                stored[rows, :, start:stop] = stored[source_row, :, start:stop]
+
+    @torch.inference_mode()
     def write_rows(self, first_row: int, layers: list[tuple[torch.Tensor, torch.Tensor]]):
         """Set rows ``first_row ..`` from per-layer ``(keys, values)`` ``[rows, kv_heads,
         slots, dim]`` (another runner's cache; storage must already be reserved)."""

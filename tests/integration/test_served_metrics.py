@@ -95,3 +95,38 @@ def test_request_series_follow_the_requests(chat_pair):
     assert 0 < peaks[1] < peaks[len(PROMPTS) - 1] <= 1.0, peaks
     assert samples["specray:kv_cache_usage_perc"] == 0.0
     assert samples["specray:num_preemptions_total"] == 0.0
+
+
+def test_the_choices_of_one_prompt_share_its_prefill(chat_pair):
+    """n = 4 sampled choices of one prompt: the front end sends them to the engine core in one
+    message, which admits them to one round, whose forward computes the prompt once; the other
+    three copy its rows (``specray:shared_tokens_total``); the choices stay distinct draws."""
+    prompt = "The quick brown fox jumps over the lazy dog and runs far away"
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "n": 4,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 1.0,
+        "seed": 7,
+        "ignore_eos": True,
+    }
+
+    async def run():
+        backend = await LocalBackend.start(chat_pair[0], None, model_name=MODEL)
+        prompt_tokens = len(backend.tokenizer(prompt)["input_ids"])
+        try:
+            transport = httpx.ASGITransport(app=build_http_app(backend))
+            async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+                reply = await client.post("/v1/completions", json=body)
+                text = (await client.get("/metrics")).text
+        finally:
+            await backend.stop(drain=False)
+        return reply, prompt_tokens, text
+
+    reply, prompt_tokens, text = asyncio.run(run())
+    assert reply.status_code == 200, reply.text
+    choices = reply.json()["choices"]
+    assert len({choice["text"] for choice in choices}) > 1  # sampled apart from one row
+    shared = _samples(text)["specray:shared_tokens_total"]
+    assert shared == 3 * prompt_tokens, (shared, prompt_tokens)

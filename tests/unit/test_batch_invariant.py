@@ -120,11 +120,13 @@ def test_a_rows_log_sum_exp_does_not_depend_on_the_other_rows():
 
 @pytest.mark.parametrize("kernel", ["dense", "onednn"])
 @torch.inference_mode()
-def test_blas_computes_a_row_alike_in_any_multiple_of_the_tile(kernel):
-    """The premise of the linears' padding, at the default target's shapes (a decoder
-    projection, the MLP's down projection, the head), for both kernels the mode uses: a row of
-    a product whose row count is a multiple of TILE_ROWS has the same bits for every such
-    count (F.linear computes one row alone with another kernel: the control)."""
+def test_a_linears_row_has_the_same_bits_for_any_row_count(kernel):
+    """The linears' invariance at the default target's shapes (a decoder projection, the MLP's
+    down projection, the head), for both kernels the mode uses: oneDNN's packed kernel over
+    rows padded to a multiple of TILE_ROWS, and BLAS one tile of TILE_ROWS rows at a time (on
+    CPUs with AMX, MKL rounds a row of an 8-row product unlike one of a 16-row product, so a
+    single padded product is not enough there). F.linear computes one row alone with another
+    kernel: the control."""
     if kernel == "onednn" and not onednn_available():
         pytest.skip("this torch build has no oneDNN: the mode uses F.linear alone")
     generator = torch.Generator().manual_seed(1)

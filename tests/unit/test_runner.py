@@ -204,7 +204,7 @@ def test_only_the_rows_fed_run_as_one_block(tiny_model, monkeypatch):
     hook = tiny_model.model.embed_tokens.register_forward_hook(
         lambda _module, args, _out: batch_sizes.append(args[0].shape[0])
     )
-    sequences = {f"d{i}": [1, 2, 3] for i in range(6)}
+    sequences = {f"d{i}": [1, 2, 3 + i] for i in range(6)}  # distinct: none shares a row
     try:
         runner.forward(dict(sequences), {})
         sequences["new"] = list(range(1, 20))
