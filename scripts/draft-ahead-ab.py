@@ -4,13 +4,13 @@ the engine core's draft_ahead_min_hit switched between 0.5 (the default) and 0.0
 ahead while the block is verified) through Ray's ``__ray_call__``, three alternations; per pass
 the engine core's counters. Usage: PYTHONPATH=. .venv/bin/python scripts/draft-ahead-ab.py [k]."""
 
-import dataclasses
 import json
 import sys
 import time
 
 import ray
 
+from specray.bench.engine_core_probe import coordinator_stats, set_coordinator_field
 from specray.bench.served_speedup import chat_prompts
 from specray.client import Client
 from specray.cluster.distributed import connect
@@ -32,43 +32,24 @@ client = Client(endpoints.grpc)
 leader = next(iter(ray.get(get_registry(APP_NAME).endpoints.remote()).values()))["leader"]
 
 
-def set_min_hit(worker, value):
-    core = worker.engine_core
-
-    async def change():
-        c = core.coordinator
-        c.config = dataclasses.replace(c.config, draft_ahead_min_hit=value)
-        if c._pool is not None:
-            c._pool.config = c.config
-        return c.config.draft_ahead_min_hit
-
-    return core.call(change())
-
-
-def stats(worker):
-    core = worker.engine_core
-
-    async def read():
-        return dict(core.coordinator.stats.__dict__)
-
-    return core.call(read())
-
-
 greedy = {"max_tokens": 48, "temperature": 0.0}
 opts = {"speculation": "on", "num_speculative_tokens": K} if K > 0 else {}
 client.generate(messages=[{"role": "user", "content": prompts[-1]}], **greedy, **opts)
 results = {0.5: [], 0.0: []}
 for rep in range(3):
     for hit in (0.5, 0.0) if rep % 2 == 0 else (0.0, 0.5):
-        assert ray.get(leader.__ray_call__.remote(set_min_hit, hit)) == hit
-        a = ray.get(leader.__ray_call__.remote(stats))
+        assert (
+            ray.get(leader.__ray_call__.remote(set_coordinator_field, "draft_ahead_min_hit", hit))
+            == hit
+        )
+        a = ray.get(leader.__ray_call__.remote(coordinator_stats))
         t0 = time.perf_counter()
         n = 0
         for p in prompts:
             c = client.generate(messages=[{"role": "user", "content": p}], **greedy, **opts)
             n += len(c.token_ids)
         wall = time.perf_counter() - t0
-        b = ray.get(leader.__ray_call__.remote(stats))
+        b = ray.get(leader.__ray_call__.remote(coordinator_stats))
         d = {
             k: b[k] - a[k]
             for k in (

@@ -237,3 +237,18 @@ def prefill_grants(batch: Sequence[Request], budget: int) -> dict[str, int]:
         for r, count, grant in zip(waiting, missing, grants, strict=True)
         if grant or not count
     }
+
+
+HOLD_SHARE = 1.0  # of the last round's time, the most an idle micro-batch holds for arrivals
+
+
+def arrival_hold_s(expected: int, waiting: int, round_s: float, cap_s: float) -> float:
+    """How long an idle micro-batch waits for submissions before its next round: while fewer
+    than ``expected`` (the requests its last round ended, when at least two: what a closed
+    loop of clients sends again) are ``waiting``, up to that round's time (what starting
+    without them costs them: a round later, for the rest of their lives) and at most
+    ``cap_s``. One request ended, or as many already here: no wait (a lone client never
+    waits)."""
+    if expected < 2 or waiting >= expected:
+        return 0.0
+    return max(min(cap_s, HOLD_SHARE * round_s), 0.0)

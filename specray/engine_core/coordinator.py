@@ -29,7 +29,6 @@ The same code runs on real workers (:mod:`specray.cluster.ray_backends`) and on 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections.abc import Sequence
@@ -55,6 +54,7 @@ from specray.engine_core.coordinator_config import (
 )
 from specray.engine_core.costs import Costs, probe_rtt
 from specray.engine_core.draft_pool import DraftPool
+from specray.engine_core.idle import hold_for_arrivals, wait_for_work
 from specray.engine_core.metrics import CoordinatorMetrics
 from specray.engine_core.policy import AcceptanceEstimator, new_request_estimator
 from specray.engine_core.recording import (
@@ -137,6 +137,8 @@ class Coordinator:
             on_failure=lambda: record_draft_failure(self.stats, self.metrics),
         )  # fmt: skip
         self._speculating = [False] * config.num_micro_batches  # last round, per micro-batch
+        self._round_s = [0.0] * len(self._batches)  # its last round's time
+        self._ended_last = [0] * len(self._batches)  # requests its last round ended (idle.py)
         # per micro-batch: its next round, queued at the target before the verdict of the one
         # running (async scheduling), or None
         self._ahead: list[IssuedRound | None] = [None] * config.num_micro_batches
@@ -328,7 +330,10 @@ class Coordinator:
                     return
                 if self._pool is not None:
                     await self._pool.release_stale()  # idle: nothing else would free them
-                await self._wait_for_work(index)
+                await wait_for_work(self._wakeups[index], self._waiting)
+                last = (self._ended_last[index], self._round_s[index])
+                self._ended_last[index] = 0
+                await hold_for_arrivals(self._wakeups[index], self._waiting, *last, self.config)
                 continue
             try:
                 await self._round(index)
@@ -345,13 +350,6 @@ class Coordinator:
     def _notify(self) -> None:
         for wakeup in self._wakeups:
             wakeup.set()
-
-    async def _wait_for_work(self, index: int) -> None:
-        """Sleep until a submit, an abort or the next waiting request's deadline."""
-        deadlines = [r.deadline_s for r in self._waiting if r.deadline_s is not None]
-        timeout = max(min(deadlines) - self._loop.time(), 0) if deadlines else None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wakeups[index].wait(), timeout)
 
     def _expire_waiting(self) -> None:
         for request in admission.expired(self._waiting, self._loop.time()):
@@ -380,8 +378,7 @@ class Coordinator:
             self._wakeups[0].set()
 
     async def _reap(self, batch: list[Request]) -> None:
-        """Remove cancelled, finished-early and expired requests and free their state on the
-        workers."""
+        """Remove cancelled, finished-early and expired requests; free them on the workers."""
         now = self._loop.time()
         gone = [r for r in batch if r.leaving(now)]
         if not gone:
@@ -453,9 +450,11 @@ class Coordinator:
     async def _round(self, index: int) -> None:
         """Complete the micro-batch's round in flight (issued now unless it was scheduled
         ahead), after queueing the next one behind it when that can go before the verdict."""
+        started = self._loop.time()
         issued = self._ahead[index] or self._issue(index)
         self._ahead[index] = self._issue_ahead(index, issued)
         reply = await issued.reply
+        self._round_s[index] = self._loop.time() - started
         if issued.proposals:
             self._pool.watch(issued.proposals)  # replies arrive in the background
         record_round(
@@ -482,6 +481,7 @@ class Coordinator:
             self._commit(request, result)
             if request.state.finish_reason:
                 finished.append(request)
+        self._ended_last[index] = len(finished)
         for request in finished:
             batch.remove(request)
             request.target_released()  # the target released it when it finished

@@ -51,6 +51,12 @@ class CoordinatorConfig:
     # requests (time to first token) and, when many prompts arrive at once, throughput: set
     # it when prompts are long next to what a round decodes.
     max_prefill_tokens_per_round: int = 0
+    # An idle micro-batch whose last round ended several requests waits up to this long (and
+    # at most that round's time) for as many submissions before its next round:
+    # clients in a closed loop send their next requests within a front end's turnaround of
+    # each other, and a round started on the first of them would prefill the others one or
+    # two rounds later, out of step for the rest of their lives. 0: start at once.
+    arrival_hold_s: float = 0.005
     # A request with a seed drafts a fixed block every round after its first (the most it
     # may: num_speculative_tokens, its own cap, its tokens left - 1), whatever the load or the
     # policy, so its tokens depend on its seed alone, as target-only decoding's do. (A draft
@@ -86,6 +92,8 @@ class CoordinatorConfig:
             raise ValueError(
                 f"draft_ahead_min_hit must be in [0, 1], got {self.draft_ahead_min_hit!r}"
             )
+        if not 0 <= self.arrival_hold_s <= 1:
+            raise ValueError(f"arrival_hold_s must be in [0, 1], got {self.arrival_hold_s!r}")
         if not self.rtt_prior_s >= 0:
             raise ValueError(f"rtt_prior_s must be >= 0, got {self.rtt_prior_s!r}")
         if self.policy.max_k != self.num_speculative_tokens:

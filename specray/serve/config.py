@@ -55,6 +55,9 @@ class AppArgs(BaseModel):
     # A target-only group queues its next round before the verdict of the running one (see
     # CoordinatorConfig.async_scheduling)
     async_scheduling: bool = False
+    # An idle group waits up to this long for a closed loop's next requests before its next
+    # round (see CoordinatorConfig.arrival_hold_s; 0: never)
+    arrival_hold_s: float = Field(0.005, ge=0, le=1)
     # Placement by node type (Ray custom resources) and CPU shares.
     draft_resource: str = "draft"
     target_resource: str = "target"
@@ -161,6 +164,7 @@ class AppArgs(BaseModel):
             reproducible_seeds=self.reproducible_seeds,
             max_prefill_tokens_per_round=self.max_prefill_tokens_per_round,
             async_scheduling=self.async_scheduling,
+            arrival_hold_s=self.arrival_hold_s,
         )
 
     def placement(self) -> PlacementConfig:

@@ -1,14 +1,15 @@
-"""Async scheduling on and off in one run (docs/bench/history.md): the overhead bench's tiny
-target, target-only, 32 tokens a request (ignore_eos), 3 requests per client; one distributed
-Engine whose engine core has ``async_scheduling`` switched at run time through Ray's
+"""One engine-core setting at two values in one run (docs/bench/history.md: "Async
+scheduling", "Holding an idle round for arrivals"): the overhead bench's tiny target,
+target-only, 32 tokens a request (ignore_eos), 3 requests per client; one distributed Engine
+whose engine core has the ``CoordinatorConfig`` field switched at run time through Ray's
 ``__ray_call__``, beside the in-process Engine. At each concurrency, alternations of: the
 in-process engine's waves, the distributed engine's waves (one ``generate`` per wave) and its
-closed loop (a thread per client, one ``generate`` per request), with async scheduling on and
-off in turn (the order swapped every other alternation). Per pass: tokens/s, the engine
-core's rounds, rounds queued ahead, rows skipped, and the target's busy fraction.
-Usage: PYTHONPATH=. .venv/bin/python scripts/async-scheduling-ab.py [alternations] [out.json]"""
+closed loop (a thread per client, one ``generate`` per request), at each value in turn (the
+order swapped every other alternation). Per pass: tokens/s, the engine core's rounds, rounds
+queued ahead, rows skipped, and the target's busy fraction.
+Usage: PYTHONPATH=. .venv/bin/python scripts/coordinator-ab.py FIELD A B [alternations] [out]
+(values as JSON: ``async_scheduling true false``, ``arrival_hold_s 0.005 0``)"""
 
-import dataclasses
 import json
 import sys
 import tempfile
@@ -18,36 +19,18 @@ import time
 import ray
 
 from specray import Engine
+from specray.bench.engine_core_probe import coordinator_stats, set_coordinator_field
 from specray.cluster.distributed import connect
 from specray.cluster.placement import PlacementConfig
 from specray.cluster.serve_env import serve_env
 from specray.models.tiny import save_tiny_model
 from specray.sampling import SamplingParams
 
-ALTERNATIONS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-OUT = sys.argv[2] if len(sys.argv) > 2 else None
+FIELD, VALUES = sys.argv[1], (json.loads(sys.argv[2]), json.loads(sys.argv[3]))
+ALTERNATIONS = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+OUT = sys.argv[5] if len(sys.argv) > 5 else None
 TOKENS, PER_CLIENT = 32, 3
 PARAMS = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
-
-
-def set_async(worker, value):
-    core = worker.engine_core
-
-    async def change():
-        coordinator = core.coordinator
-        coordinator.config = dataclasses.replace(coordinator.config, async_scheduling=value)
-        return coordinator.config.async_scheduling
-
-    return core.call(change())
-
-
-def stats(worker):
-    core = worker.engine_core
-
-    async def read():
-        return dict(core.coordinator.stats.__dict__)
-
-    return core.call(read())
 
 
 def prompt(client: int, index: int) -> str:
@@ -100,17 +83,20 @@ with tempfile.TemporaryDirectory() as folder:
             results.append(
                 {"concurrency": concurrency, "path": "engine", "tok_s": tokens / wall, "rep": rep}
             )
-            for on in (True, False) if rep % 2 == 0 else (False, True):
-                assert ray.get(leader.__ray_call__.remote(set_async, on)) == on
+            for value in VALUES if rep % 2 == 0 else VALUES[::-1]:
+                assert (
+                    ray.get(leader.__ray_call__.remote(set_coordinator_field, FIELD, value))
+                    == value
+                )
                 for path, run in (("ray", waves), ("ray-clients", closed_loop)):
-                    before = ray.get(leader.__ray_call__.remote(stats))
+                    before = ray.get(leader.__ray_call__.remote(coordinator_stats))
                     tokens, wall = timed(run, engine, concurrency)
-                    after = ray.get(leader.__ray_call__.remote(stats))
+                    after = ray.get(leader.__ray_call__.remote(coordinator_stats))
                     delta = {k: after[k] - before[k] for k in after if k != "started_s"}
                     row = {
                         "concurrency": concurrency,
                         "path": path,
-                        "async": on,
+                        FIELD: value,
                         "rep": rep,
                         "tok_s": tokens / wall,
                         "ms_per_token": 1e3 * wall * concurrency / tokens,
@@ -128,7 +114,7 @@ with tempfile.TemporaryDirectory() as folder:
 summary = {}
 for row in results:
     key = f"c{row['concurrency']} {row['path']}" + (
-        "" if row["path"] == "engine" else (" async" if row["async"] else " sync")
+        "" if row["path"] == "engine" else f" {FIELD}={row[FIELD]}"
     )
     summary.setdefault(key, []).append(row["tok_s"])
 for key, values in summary.items():
