@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from importlib import resources
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 from specray.distill.student import is_distilled_draft
 from specray.drafters.base import DraftBlock, Drafter, DraftRequest
 from specray.drafters.chain import FirstFoundDrafter
+from specray.drafters.digest import model_digest
 from specray.drafters.distilled import load_distilled
 from specray.drafters.feature import FeatureDrafter
 from specray.drafters.model import ModelDrafter, VocabularyMismatchError, check_same_vocabulary
@@ -50,20 +50,6 @@ def measured_winner(target: LoadedModel | ModelInfo, path: Path | None = None) -
     if record.get("target_digest") != model_digest(target.path):
         return FALLBACK_DRAFT
     return record["winner"]["draft"]
-
-
-def model_digest(model_dir: Path) -> str:
-    """Identifies a model directory cheaply: its config.json, and each weights file's name,
-    size and first MiB (the safetensors header: every tensor's name, shape and offset)."""
-    folder = Path(model_dir)
-    digest = hashlib.sha256()
-    config = folder / "config.json"
-    digest.update(config.read_bytes() if config.exists() else b"")
-    for weights in sorted(folder.glob("*.safetensors")):
-        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
-        with weights.open("rb") as handle:
-            digest.update(handle.read(1 << 20))
-    return digest.hexdigest()
 
 
 def resolve_draft_name(draft: str, target: LoadedModel | ModelInfo) -> str:
