@@ -286,17 +286,23 @@ class ModelRunner:
         logits, hidden = self._compute(
             run, widened(num_logits, shared), widened(num_hidden, shared), run_features
         )
-        fresh = [seq_id for seq_id in shared if seq_id not in self.seq_ids]
+        cached = set(self.seq_ids)
+        fresh = [seq_id for seq_id in shared if seq_id not in cached]
         used_rows, used_slots = len(self.seq_ids), self.num_slots
         self.seq_ids.extend(fresh)
         self.lengths.extend([0] * len(fresh))
         row_of = {seq_id: row for row, seq_id in enumerate(self.seq_ids)}
         self.cache.reserve(len(self.seq_ids), used_slots, used_rows, used_slots)
+        copies: dict[Hashable, list[int]] = {}  # source -> the rows copying it (one copy each)
         for seq_id, source in shared.items():
-            row, count = row_of[seq_id], len(new_token_ids[seq_id])
-            start = self.lengths[row]  # the source's length before this forward
-            self.cache.copy_slots(row_of[source], [row], start, start + count)
-            self.lengths[row] += count
+            copies.setdefault(source, []).append(row_of[seq_id])
+        for source, rows in copies.items():
+            count = len(new_token_ids[source])
+            start = self.lengths[rows[0]]  # every copy's length before this forward: the source's
+            self.cache.copy_slots(row_of[source], rows, start, start + count)
+        for seq_id, source in shared.items():
+            count = len(new_token_ids[seq_id])
+            self.lengths[row_of[seq_id]] += count
             self.tokens_shared += count
             if seq_id in num_logits:
                 logits[seq_id] = trailing(logits[source], num_logits[seq_id])
