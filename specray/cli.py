@@ -127,6 +127,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "prompts with speculation on and off) against the in-process engine's best fixed k",
     )
     bench.add_argument(
+        "--draft-placement",
+        choices=("auto", "workers", "colocated"),
+        help="for --serving: where the served app runs its draft (default: the app's, auto)",
+    )
+    bench.add_argument(
         "--steps",
         metavar="1,4,16",
         help="one target forward (a decode step and a k=4 verification) at these batch sizes: "
@@ -411,6 +416,7 @@ def _bench(args: argparse.Namespace) -> int:
             num_prompts=args.num_prompts,
             num_threads=args.threads,
             repeats=args.repeats,
+            draft_placement=args.draft_placement,
         )
         report = run_served_speedup_bench(config)
         _print_json(json.dumps(report, indent=2) if args.json else format_served_speedup(report))

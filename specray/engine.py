@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specray.cluster.distributed import DistributedBackend, connect
-from specray.cluster.placement import PlacementConfig
+from specray.cluster.placement import DRAFT_PLACEMENTS, PlacementConfig
 from specray.core import Block, RequestState, TargetCore, eos_token_ids
 from specray.drafters import Drafter, DraftRequest, make_drafter
 from specray.engine_core.admission import check_structured_outputs
@@ -76,6 +76,12 @@ class Engine:
     cluster: ``None`` runs in this process; ``"auto"`` runs draft and target as Ray actors that
         exchange blocks over gRPC on an embedded local Ray; an address joins an existing cluster.
     tp_size: tensor-parallel ranks of the target group (distributed only).
+    num_draft_workers / draft_placement (distributed only): ``"workers"``, that many draft
+        actors on draft nodes, each streaming to the target over gRPC; ``"colocated"``, one
+        draft inside the target group's rank 0, beside the engine core (no hop per round);
+        ``"auto"``, colocated for a draft small beside its target (prompt lookup, a distilled
+        draft) unless several workers are asked for, else workers
+        (:func:`specray.cluster.placement.resolve_draft_placement`).
     coordinator: scheduling of the distributed path (micro-batches, adaptive k, draft-ahead);
         by default plain rounds with a fixed k, like the in-process engine (seeded requests
         draft every round after their first: ``reproducible_seeds``).
@@ -103,6 +109,7 @@ class Engine:
         placement: PlacementConfig | None = None,
         draft_deadline_s: float = DEFAULT_DRAFT_DEADLINE_S,
         num_draft_workers: int = 1,
+        draft_placement: str = "auto",
         coordinator: CoordinatorConfig | None = None,
         device: str = "auto",
         dtype: str = "auto",
@@ -126,6 +133,10 @@ class Engine:
             raise EngineInputError(f"max_batch_size must be an integer, got {max_batch_size!r}")
         if max_batch_size < 1:
             raise EngineInputError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if draft_placement not in DRAFT_PLACEMENTS:
+            raise EngineInputError(
+                f"draft_placement must be one of {list(DRAFT_PLACEMENTS)}, got {draft_placement!r}"
+            )
         if not isinstance(batch_invariant, bool):
             raise EngineInputError(
                 f"batch_invariant must be True or False, got {batch_invariant!r}"
@@ -159,7 +170,7 @@ class Engine:
                 placement = replace(placement or PlacementConfig(), batch_invariant=True)
             self._init_distributed(
                 target, draft, cluster, tp_size, draft_probs_encoding, placement,
-                num_draft_workers, config,
+                num_draft_workers, config, draft_placement,
             )  # fmt: skip
             return
         if tp_size != 1:
@@ -200,7 +211,16 @@ class Engine:
         self.num_speculative_tokens = num_speculative_tokens if self.drafter else 0
 
     def _init_distributed(
-        self, target, draft, cluster, tp_size, encoding, placement, num_draft_workers, config
+        self,
+        target,
+        draft,
+        cluster,
+        tp_size,
+        encoding,
+        placement,
+        num_draft_workers,
+        config,
+        draft_placement,
     ) -> None:
         if not isinstance(target, str):
             raise EngineInputError("a distributed engine needs target as a path or 'default'")
@@ -224,6 +244,7 @@ class Engine:
             num_draft_workers=num_draft_workers,
             draft_probs_encoding=encoding,
             placement=placement,
+            draft_placement=draft_placement,
         )
         self.backend = backend
         address = backend.start_engine(config, max_positions=info.max_positions)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specray.actors.draft_link import DraftLink
+from specray.actors.draft_link import DraftLink, LocalDraftLink
 from specray.core import RequestState, eos_token_ids
 from specray.drafters import DraftRequest, FeatureDrafter, make_drafter
 from specray.feature_rows import FeatureRows
@@ -145,14 +145,22 @@ class DraftWorker:
         if self.link is not None:
             self.link.close(timeout_s=30)
             self.release(list(self.requests))
-        self.link = DraftLink(
-            target_address,
-            take_verdict=self._on_verdict,
-            run_command=self._run_command,
-            on_arrival=self._wake,
-            worker_id=worker_id,
-        )
+        self.link = DraftLink(target_address, **self._link_callbacks(), worker_id=worker_id)
         return self.link.worker_id
+
+    def connect_local(self, verifier) -> str:
+        """Link to the engine core of this process (``verifier``: the target's
+        :class:`~specray.rpc.server.VerifierServicer`): a draft colocated with its target
+        (``draft_placement="colocated"``) exchanges the same messages in memory."""
+        self.link = LocalDraftLink(verifier, **self._link_callbacks())
+        return self.link.worker_id
+
+    def _link_callbacks(self) -> dict:
+        return {
+            "take_verdict": self._on_verdict,
+            "run_command": self._run_command,
+            "on_arrival": self._wake,
+        }
 
     def _run_command(self, command: DraftCommand) -> DraftReply | None:
         """One command from the engine core: free, take on, then draft (the link's thread)."""

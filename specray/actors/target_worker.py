@@ -70,6 +70,7 @@ class TargetWorker:
         batch_invariant: bool = False,  # specray/models/batch_invariant.py
     ):
         torch.set_num_threads(num_threads)
+        self.target = target
         self.rank, self.world_size = rank, world_size
         self.device = worker_device(device)
         if world_size > 1:
@@ -108,8 +109,10 @@ class TargetWorker:
             self.sessions = EngineCoreServicer(lambda: self.engine_core)
             # Plaintext and unauthenticated (an internal port): bound to the cluster network
             # address only, never to every interface.
+            self.verifier = VerifierServicer(self.inbox, self.vocab_size, self.pool)
+            self.colocated_draft = None
             self._server, self.address = start_server(
-                VerifierServicer(self.inbox, self.vocab_size, self.pool),
+                self.verifier,
                 host=verifier_host or node_ip(),
                 engine_core=self.sessions,
             )
@@ -141,6 +144,37 @@ class TargetWorker:
         if self.engine_core is not None:
             self.engine_core.stop(drain=drain)
             self.engine_core = None
+
+    def colocate_draft(self, draft: str, draft_probs_encoding: str = "fp32") -> None:
+        """Run a draft worker in this process, beside the engine core, linked to it in memory
+        (:class:`~specray.actors.draft_link.LocalDraftLink`): no hop per round each way, and a
+        feature-conditioned draft reads the target's rows without a network. It drafts on
+        this process's device and threads, and lives and dies with the group."""
+        from specray.actors.draft_worker import DraftWorker
+
+        if self.colocated_draft is not None:
+            raise RuntimeError("a draft is already colocated with this target")
+        self.colocated_draft = DraftWorker(
+            self.target,
+            draft,
+            draft_probs_encoding,
+            num_threads=torch.get_num_threads(),
+            device=str(self.device),
+        )
+        self.colocated_draft.connect_local(self.verifier)
+
+    @ray.method(concurrency_group="control")
+    def draft_stats(self) -> dict:
+        """The colocated draft's counters (:meth:`DraftWorker.stats`)."""
+        if self.colocated_draft is None:
+            raise RuntimeError("no draft is colocated with this target")
+        return self.colocated_draft.stats()
+
+    def calibrate_draft(self, batches: list[int]) -> list[tuple[int, float]]:
+        """The colocated draft's step times per batch size (:meth:`DraftWorker.calibrate`)."""
+        if self.colocated_draft is None:
+            raise RuntimeError("no draft is colocated with this target")
+        return self.colocated_draft.calibrate(batches)
 
     @ray.method(concurrency_group="control")
     def wait_for_drafts(self, count: int, timeout_s: float = 120.0) -> int:
@@ -359,6 +393,8 @@ class TargetWorker:
     def stop(self) -> None:
         """Stop the engine core, the followers' loops (rank 0) and the gRPC server."""
         self.stop_engine_core()
+        if getattr(self, "colocated_draft", None) is not None:
+            self.colocated_draft.stop()
         if self.world_size > 1:
             self.core.runner.stop()
         self._server.stop(grace=1)

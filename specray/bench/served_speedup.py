@@ -44,6 +44,9 @@ class ServedSpeedupConfig:
     bad_max_tokens: int = 48
     num_threads: int = 1  # torch threads per process on both paths (AppArgs.num_threads)
     repeats: int = 2  # turns of the whole workload (bad request, then every prompt), summed
+    draft_placement: str | None = (
+        None  # the served app's (AppArgs.draft_placement); None: its default
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "bad_max_tokens", "num_threads", "repeats"):
@@ -98,7 +101,9 @@ class _Served:
             draft=config.draft,
             grpc_port=grpc_port,
             num_threads=config.num_threads,
+            **({"draft_placement": config.draft_placement} if config.draft_placement else {}),
         )
+        self.draft_placement = args.resolved_draft_placement  # for the report
         connect("auto", PlacementConfig(), env=serve_env(local=True))  # as `specray serve` does
         endpoints = launch.start(launch.deploy_config(args, http_port=http_port))
         self.client = Client(endpoints.grpc)
@@ -197,6 +202,7 @@ def _measure(config: ServedSpeedupConfig, prompts: list[str]) -> dict:
         served.close()
     bad_spec = bad.speculative_decoding
     return {
+        "draft_placement": served.draft_placement,
         "bad_request": {
             "tokens": len(bad.token_ids),
             "drafted": int(bad_spec.get("num_draft_tokens", 0)),
@@ -243,6 +249,7 @@ def run_served_speedup_bench(config: ServedSpeedupConfig = ServedSpeedupConfig()
         "in_process_best_k": best_k,
         "in_process_speedup": round(speedups[best_k], 4),
         "served": {
+            "draft_placement": measured["draft_placement"],
             "bad_request": measured["bad_request"],
             "policy": row(measured["policy"]),
             "off": row(measured["off"]),
@@ -278,7 +285,8 @@ def format_served_speedup(report: dict) -> str:
     served = report["served"]
     bad = served["bad_request"]
     lines += [
-        f"served: bad request first ({bad['accepted']}/{bad['drafted']} drafted accepted)",
+        f"served (draft {served['draft_placement']}): bad request first ({bad['accepted']}/"
+        f"{bad['drafted']} drafted accepted)",
         f"  policy       {served['policy']['tokens_per_s']:8.2f} tok/s  accepted "
         f"{served['policy']['accepted']}/{served['policy']['drafted']}",
         f"  off          {served['off']['tokens_per_s']:8.2f} tok/s",

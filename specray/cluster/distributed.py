@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from specray.cluster.placement import PlacementConfig
+from specray.cluster.placement import PlacementConfig, resolve_draft_placement
 from specray.cluster.serve_env import apply_serve_env
 
 if TYPE_CHECKING:
@@ -208,6 +208,7 @@ class DistributedBackend:
         num_draft_workers: int = 1,
         draft_probs_encoding: str = "fp32",
         placement: PlacementConfig | None = None,
+        draft_placement: str = "auto",
     ):
         import ray
 
@@ -215,6 +216,10 @@ class DistributedBackend:
             raise ValueError(f"num_draft_workers must be an integer, got {num_draft_workers!r}")
         if num_draft_workers < 1:
             raise ValueError(f"num_draft_workers must be >= 1, got {num_draft_workers}")
+        # (a ValueError naming the parameter before any actor starts)
+        draft_placement = resolve_draft_placement(
+            draft_placement, draft, target, pool_sized=num_draft_workers != 1
+        )
         self.placement = placement or PlacementConfig()
         self._target_spec, self._draft_spec = target, draft
         self._encoding = draft_probs_encoding
@@ -230,7 +235,11 @@ class DistributedBackend:
         self.draft_restarts = 0
         self._lifelines: dict = {}  # a never-returning call per draft actor -> its index
         self._stopping = threading.Event()
-        if draft is not None:
+        # A draft inside rank 0's process, beside the engine core (no draft actors to watch).
+        self.colocated = draft is not None and draft_placement == "colocated"
+        if self.colocated:
+            ray.get(self.leader.colocate_draft.remote(draft, draft_probs_encoding))
+        elif draft is not None:
             self.drafts = [self._new_draft() for _ in range(num_draft_workers)]
             ray.get([actor.connect.remote(self.address) for actor in self.drafts])
             self._lifelines = {actor.lifeline.remote(): i for i, actor in enumerate(self.drafts)}
@@ -272,7 +281,7 @@ class DistributedBackend:
         returns the address front ends open sessions on."""
         import ray
 
-        with_drafts = with_drafts and bool(self.drafts)
+        with_drafts = with_drafts and (bool(self.drafts) or self.colocated)
         address = ray.get(
             self.leader.start_engine_core.remote(
                 config,
@@ -282,7 +291,8 @@ class DistributedBackend:
             )
         )
         if with_drafts:
-            ray.get(self.leader.wait_for_drafts.remote(len(self.drafts), timeout_s))
+            count = 1 if self.colocated else len(self.drafts)
+            ray.get(self.leader.wait_for_drafts.remote(count, timeout_s))
         return address
 
     def engine_stats(self) -> dict:
@@ -301,9 +311,12 @@ class DistributedBackend:
 
         grid = [(batch, count) for batch in batches for count in tokens]
         verify = verify_cost_table(ray.get(self.leader.calibrate.remote(grid)))
-        if not self.drafts:
+        if self.colocated:
+            steps = ray.get(self.leader.calibrate_draft.remote(list(batches)))
+        elif self.drafts:
+            steps = ray.get(self.drafts[0].calibrate.remote(list(batches)))
+        else:
             return verify, None
-        steps = ray.get(self.drafts[0].calibrate.remote(list(batches)))
         return verify, DraftCost(0.0, 0.0, tabulate(steps))
 
     def shutdown(self) -> None:
@@ -318,6 +331,8 @@ class DistributedBackend:
         import ray
 
         report = {"target": [info["node_id"] for info in self.target_info]}
-        if self.drafts:
+        if self.colocated:
+            report["draft"] = report["target"][0]
+        elif self.drafts:
             report["draft"] = ray.get(self.drafts[0].node_id.remote())
         return report

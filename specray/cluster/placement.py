@@ -3,8 +3,12 @@ target node. Node types are Ray custom resources whose names are configurable.""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
 
+from specray.distill import DRAFT_FILE
 from specray.models.device import check_device_spec
 
 
@@ -85,3 +89,53 @@ class PlacementConfig:
         if self.draft_num_gpus:
             options["num_gpus"] = self.draft_num_gpus
         return options
+
+
+# Where a draft runs (AppArgs.draft_placement, Engine's and DistributedBackend's):
+# "workers": draft actors on draft nodes, each on its own stream to the engine core;
+# "colocated": one draft inside the target group's rank 0 (TargetWorker.colocate_draft);
+# "auto": colocated for a draft that is small beside its target, workers for the others.
+DRAFT_PLACEMENTS = ("auto", "workers", "colocated")
+
+
+def resolve_draft_placement(
+    placement: str, draft: str | None, target: str, *, pool_sized: bool = False
+) -> str:
+    """``"workers"`` or ``"colocated"`` for ``placement`` (one of :data:`DRAFT_PLACEMENTS`).
+
+    ``"auto"`` colocates a draft that costs the target's device little and has nothing to gain
+    from a device of its own at one request: prompt lookup, the distilled draft shipped for the
+    default target, a ``specray distill`` output, and ``ngram+`` any of these (``"default"``
+    / ``"auto"`` drafts count as what they resolve to for ``target``). Every other draft (the
+    target's own weights, another model) goes to workers, where drafting runs beside
+    verification on other devices; so does any draft whose pool was sized (``pool_sized``:
+    more than one worker, or an autoscaling ceiling). A colocated draft needs no network hop
+    per round; docs/design.md, section 2."""
+    if placement not in DRAFT_PLACEMENTS:
+        raise ValueError(
+            f"draft_placement must be one of {list(DRAFT_PLACEMENTS)}, got {placement!r}"
+        )
+    if placement != "auto":
+        return placement
+    if draft is None or pool_sized:
+        return "workers"
+    return "colocated" if all(map(_small_draft, _draft_parts(draft, target))) else "workers"
+
+
+def _draft_parts(draft: str, target: str) -> list[str]:
+    """A draft name's proposal sources, "default" / "auto" read as the winner recorded for the
+    target (specray/data/drafters.json; the fallback, the target's own weights, for a target
+    never measured). Files and names only: the Serve controller builds the app without torch."""
+    if draft in {"default", "auto"}:
+        record = json.loads(resources.files("specray.data").joinpath("drafters.json").read_text())
+        draft = record["winner"]["draft"] if target == record["target"] else "self:auto"
+    return draft.split("+")
+
+
+def _small_draft(part: str) -> bool:
+    if part == "ngram" or part.split(":")[0] == "distilled":
+        return True
+    try:  # a `specray distill` output: a few layers by design
+        return (Path(part) / DRAFT_FILE).is_file()
+    except OSError:
+        return False

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-DRAFT_FILE = "specray_draft.json"  # marks a distilled draft directory
+from specray.distill import DRAFT_FILE
+
 WEIGHTS_FILE = "draft.safetensors"
 FORMAT_VERSION = 1
 

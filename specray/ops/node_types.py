@@ -62,7 +62,7 @@ class PlacementAsk:
         return cls(
             tp_size=args.tp_size,
             num_target_groups=args.num_target_groups,
-            max_drafts=0 if args.draft is None else per_group * args.num_target_groups,
+            max_drafts=0 if not args.draft_pool else per_group * args.num_target_groups,
             draft_resource=args.draft_resource,
             target_resource=args.target_resource,
             draft_num_cpus=args.draft_num_cpus,

@@ -38,15 +38,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             return
         worker = self.pool.attach(hello.worker_id or uuid.uuid4().hex, downs.put)
 
-        def stage(verdict: pb.Verdict) -> None:
-            self.pool.stage_verdict(worker, verdict)
-
         def read() -> None:
             try:
                 for message in request_iterator:
-                    for block in message.blocks:
-                        self._take_block(block, stage)
-                    self.pool.on_message(worker, message.replies)
+                    self.receive(worker, message)
             except grpc.RpcError:
                 pass  # the draft went away; its pending blocks simply never arrive
             finally:
@@ -59,6 +54,17 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             if message is _CLOSED:
                 return
             yield message
+
+    def receive(self, worker: int, message: pb.DraftUp) -> None:
+        """One message of a draft worker (its stream, or a colocated draft's link): the blocks
+        to the inbox once checked, the replies to the pool."""
+
+        def stage(verdict: pb.Verdict) -> None:
+            self.pool.stage_verdict(worker, verdict)
+
+        for block in message.blocks:
+            self._take_block(block, stage)
+        self.pool.on_message(worker, message.replies)
 
     def _take_block(self, message: pb.DraftBlock, stage) -> None:
         try:

@@ -23,7 +23,9 @@ def build_app(args: AppArgs | dict) -> Application:
     of its fields (unknown keys are errors)."""
     if not isinstance(args, AppArgs):
         args = AppArgs(**dict(args))
-    plain = args.model_dump()
+    # "auto" placement resolved once, here: every deployment then reads the same answer
+    # (resolving reads model files, which a replica on another node might see otherwise).
+    plain = args.model_dump() | {"draft_placement": args.resolved_draft_placement}
     cpus = {"num_cpus": REPLICA_CPUS_DEFAULT}
     placement = args.placement()
     target = serve.deployment(
@@ -41,7 +43,7 @@ def build_app(args: AppArgs | dict) -> Application:
         health_check_timeout_s=60,
     ).bind(plain)
     workers = [target]
-    if args.draft is not None:
+    if args.draft_pool:
         workers.append(
             serve.deployment(
                 d.DraftWorkerDeployment,

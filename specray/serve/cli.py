@@ -21,6 +21,7 @@ _APP_FLAGS = {
     "max_running": int,
     "max_queue": int,
     "draft_probs_encoding": str,
+    "draft_placement": str,
     "grpc_port": int,
     "auth_token": str,
     "tls_cert": str,

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specray.cluster.placement import PlacementConfig
+from specray.cluster.placement import PlacementConfig, resolve_draft_placement
 from specray.engine_core.coordinator_config import (
     DEFAULT_DRAFT_DEADLINE_S,
     DEFAULT_NUM_SPECULATIVE_TOKENS,
@@ -36,6 +37,11 @@ class AppArgs(BaseModel):
     num_draft_workers: int = Field(1, ge=1)  # per target group: the pool, or its floor
     max_draft_workers: int | None = Field(None, ge=1)  # per group: autoscaling ceiling (or fixed)
     draft_probs_encoding: str = "fp32"
+    # Where the draft runs: "workers", a DraftWorker pool on draft nodes (streams over gRPC);
+    # "colocated", one draft worker inside each target group's rank 0, beside the engine core
+    # (no hop per round; the draft shares the target's device and threads); "auto", colocated
+    # for a draft small beside its target unless the pool is sized (resolve_draft_placement).
+    draft_placement: Literal["auto", "workers", "colocated"] = "auto"
     num_speculative_tokens: int = Field(DEFAULT_NUM_SPECULATIVE_TOKENS, ge=0, le=32)
     max_running: int = Field(64, ge=1)
     max_queue: int = Field(256, ge=0)
@@ -116,6 +122,14 @@ class AppArgs(BaseModel):
                 f"max_draft_workers ({self.max_draft_workers}) must be >= num_draft_workers "
                 f"({self.num_draft_workers})"
             )
+        if self.draft_placement == "colocated" and (
+            self.num_draft_workers != 1 or self.max_draft_workers is not None
+        ):
+            raise ValueError(
+                "draft_placement='colocated' runs one draft in each target group: "
+                f"num_draft_workers={self.num_draft_workers} and max_draft_workers="
+                f"{self.max_draft_workers} are for draft_placement='workers'"
+            )
         self.coordinator_config()  # the coordinator's own checks
         self.placement()
         return self
@@ -137,6 +151,23 @@ class AppArgs(BaseModel):
                 "(or empty) where the Ingress runs"
             )
         return token
+
+    @functools.cached_property
+    def resolved_draft_placement(self) -> str:
+        """``"workers"`` or ``"colocated"`` (``"auto"`` resolved: it reads the target's and
+        the draft's files, so :func:`~specray.serve.build_app` resolves it once and hands
+        every deployment the result)."""
+        return resolve_draft_placement(
+            self.draft_placement,
+            self.draft,
+            self.target,
+            pool_sized=self.num_draft_workers != 1 or self.max_draft_workers is not None,
+        )
+
+    @property
+    def draft_pool(self) -> bool:
+        """A DraftWorker pool is deployed (a draft, not colocated)."""
+        return self.draft is not None and self.resolved_draft_placement == "workers"
 
     @property
     def autoscaled(self) -> bool:

@@ -110,6 +110,10 @@ class TargetWorkerDeployment:
                 grid = list(START_CALIBRATION_GRID)
                 measured = await group.leader.calibrate.remote(grid)
                 config = replace(config, verify_prior=verify_cost_table(measured))
+            if self.args.draft is not None and self.args.resolved_draft_placement == "colocated":
+                await group.leader.colocate_draft.remote(
+                    self.args.draft, self.args.draft_probs_encoding
+                )
             # The round loop runs beside rank 0's forward: front ends open sessions on it.
             await group.leader.start_engine_core.remote(
                 config,

@@ -305,8 +305,8 @@ class CoordinatorService:
 
 class LocalBackend(CoordinatorService):
     """The engine core with its target and draft workers in this process, and a session on it
-    from this loop: the same path as a served group, without Ray. Blocks still travel draft ->
-    target over gRPC on loopback.
+    from this loop: the same path as a served group, without Ray. Blocks travel draft ->
+    target over gRPC on loopback, or in memory with ``draft_placement="colocated"``.
 
     ``backend = await LocalBackend.start(target, draft)`` ... ``await backend.stop()``.
     """
@@ -322,11 +322,14 @@ class LocalBackend(CoordinatorService):
         num_draft_workers: int = 1,
         draft_probs_encoding: str = "fp32",
         batch_invariant: bool = False,
+        draft_placement: str = "workers",
     ) -> LocalBackend:
         import asyncio
 
         from specray.actors.draft_worker import DraftWorker
         from specray.actors.target_worker import TargetWorker
+        from specray.cluster.distributed import reads_target_features
+        from specray.cluster.placement import resolve_draft_placement
         from specray.drafters import resolve_draft_name
         from specray.engine_core.aio_client import AsyncEngineCoreClient
         from specray.models.loading import load_model_info
@@ -338,11 +341,22 @@ class LocalBackend(CoordinatorService):
         worker = await loop.run_in_executor(
             None,
             lambda: TargetWorker(
-                target, 0, 1, "", verifier_host="127.0.0.1", batch_invariant=batch_invariant
+                target,
+                0,
+                1,
+                "",
+                verifier_host="127.0.0.1",
+                keep_features=reads_target_features(draft),
+                batch_invariant=batch_invariant,
             ),
         )
         drafts = []
-        if draft is not None:
+        draft_placement = resolve_draft_placement(
+            draft_placement, draft, target, pool_sized=num_draft_workers != 1
+        )
+        if draft is not None and draft_placement == "colocated":
+            await loop.run_in_executor(None, worker.colocate_draft, draft, draft_probs_encoding)
+        elif draft is not None:
             for _ in range(num_draft_workers):
                 drafts.append(
                     await loop.run_in_executor(

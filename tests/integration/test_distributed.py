@@ -43,6 +43,7 @@ def distributed(cluster):
         num_speculative_tokens=4,
         cluster=cluster[0].address,
         draft_deadline_s=2.0,
+        draft_placement="workers",  # a draft actor on the draft node (killed below)
     )
     yield engine
     engine.shutdown()

@@ -50,6 +50,7 @@ def test_greedy_identity_and_the_features_arrive(cluster, tiny_pair, fc_draft_di
         draft=prefix + fc_draft_dir,
         num_speculative_tokens=3,
         cluster=cluster[0].address,
+        draft_placement="workers",  # the rows cross the network to a draft actor
     )
     try:
         assert engine.backend.feature_conditioned
@@ -79,7 +80,11 @@ def test_pipelined_draft_ahead_sampling_follows_the_target(cluster, tiny_pair, f
     Negative control: the same samples against the law at temperature 0.6 must be rejected."""
     target_model, target_dir, _ = tiny_pair
     engine = Engine(
-        target_dir, draft=fc_draft_dir, cluster=cluster[0].address, coordinator=PIPELINED
+        target_dir,
+        draft=fc_draft_dir,
+        cluster=cluster[0].address,
+        coordinator=PIPELINED,
+        draft_placement="workers",
     )
     try:
         outputs, fit, control = _sample_and_fit(
@@ -109,7 +114,13 @@ def test_rows_dropped_or_late_stay_exact(cluster, tiny_pair, fc_draft_dir):
         adaptive_k=False,
         draft_ahead=True,
     )
-    engine = Engine(target_dir, draft=fc_draft_dir, cluster=cluster[0].address, coordinator=config)
+    engine = Engine(
+        target_dir,
+        draft=fc_draft_dir,
+        cluster=cluster[0].address,
+        coordinator=config,
+        draft_placement="workers",  # faults injected on a draft actor's verdicts
+    )
     try:
         worker = engine.backend.drafts[0]
         ray.get(worker.inject_verdict_faults.remote(delay_s=0.08, drop_fraction=0.3, seed=3))
@@ -121,3 +132,44 @@ def test_rows_dropped_or_late_stay_exact(cluster, tiny_pair, fc_draft_dir):
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
     assert draft_stats["feature_waits_timed_out"] > 0 and draft_stats["feature_rows_fed"] > 0
     assert draft_stats["feature_rows_without_target"] > 0
+
+
+def test_colocated_draft_is_exact_and_reads_the_rows_in_memory(cluster, tiny_pair, fc_draft_dir):
+    """``draft_placement="colocated"``: the draft inside the target's rank 0, the same messages
+    handed over in memory. Greedy: the target's output, drafts accepted, every feature row the
+    target sent received. Sampled: N = 1000 sequences of length L = 5 from [1, 2, 3, 1], seeds
+    30000..30999, temperature 1, the pipelined coordinator (2 micro-batches, adaptive k up to 3,
+    draft-ahead); Pearson chi-square at ALPHA = 0.001 of the last 3 tokens against the target's
+    exact marginal law; negative control: the law at temperature 0.6, which must be rejected."""
+    target_model, target_dir, _ = tiny_pair
+    reference = _reference(target_model)
+    engine = Engine(
+        target_dir,
+        draft=fc_draft_dir,
+        cluster=cluster[0].address,
+        coordinator=PIPELINED,
+        draft_placement="colocated",
+    )
+    try:
+        backend = engine.backend
+        assert backend.colocated and backend.drafts == []
+        report = backend.placement_report()
+        greedy = engine.generate(PROMPTS, GREEDY)
+        draft_stats = ray.get(backend.leader.draft_stats.remote())
+        target_stats = ray.get(backend.leader.inbox_stats.remote())
+        outputs, fit, control = _sample_and_fit(
+            engine, target_model, [1, 2, 3, 1], 1000, 5, seed_offset=30_000, tail=3
+        )
+        pool = engine.engine_stats()["pool"]
+    finally:
+        engine.shutdown()
+    print(f"colocated: {fit.describe()}; control {control.describe()}; draft {draft_stats}")
+    assert report["draft"] == report["target"][0]  # on the target's node
+    assert [o.token_ids for o in greedy] == [r.token_ids for r in reference]
+    assert sum(o.metrics.num_accepted_tokens for o in greedy) > 0
+    assert draft_stats["feature_rows_fed"] > 0
+    assert target_stats["feature_bytes_sent"] == draft_stats["feature_bytes_received"] > 0
+    assert pool["messages_sent"] > 0 and pool["messages_received"] > 0  # the pool's one link
+    assert fit.impossible_count == 0 and fit.p_value > ALPHA, fit.describe()
+    assert control.p_value < ALPHA, "negative control must be rejected"
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0

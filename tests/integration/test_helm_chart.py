@@ -36,6 +36,7 @@ VARIANTS = {
     "tp 4 on 4 GPUs": {"app": {"tp_size": 4}, "targetGroup": {"gpus": 4}},
     "target only": {"app": {"draft": "none"}},
     "no gRPC API": {"app": {"grpc_port": None}},
+    "colocated draft": {"app": {"draft_placement": "colocated"}},
     "Serve's Python proxy": {"rayServe": {"haproxy": False}},
     "CPU only, bundled model": {  # null deletes a default, as `--set key=null` does
         "app": {
@@ -55,7 +56,7 @@ CHART_SET = {"ingress_on_head", "auth_token", "auth_token_env", "autoscaling"}
 CHART_SET.update(chart_ops.TLS_FIELDS)
 # values.yaml's app defaults that differ from AppArgs' on purpose (a GPU cluster, real models).
 GPU_CLUSTER_DEFAULTS = {"target", "draft", "tp_size", "max_draft_workers"}
-GPU_CLUSTER_DEFAULTS.update({"draft_num_gpus", "target_num_gpus"})
+GPU_CLUSTER_DEFAULTS.update({"draft_num_gpus", "target_num_gpus", "draft_placement"})
 # Values documented as one README row (Kubernetes objects passed through).
 OBJECT_VALUES = {"resources", "rayStartParams", "nodeSelector", "affinity", "podAnnotations"}
 OBJECT_VALUES.update({"podLabels", "sources"})
@@ -185,6 +186,15 @@ def test_variant_renders():
         groups = only(docs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
         assert [g["groupName"] for g in groups] == ["target"]
         assert "autoscaling_policy" not in app_of(docs)
+
+    # A colocated draft runs in the target pods: no draft group, no pool sizes, no pool policy.
+    docs = chart_ops.render(CHART, VARIANTS["colocated draft"])
+    groups = only(docs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert [g["groupName"] for g in groups] == ["target"]
+    args = app_of(docs)["args"]
+    assert args["draft_placement"] == "colocated" and args["draft"] == "/models/draft"
+    assert not {"num_draft_workers", "max_draft_workers", "autoscaling"} & set(args)
+    assert "autoscaling_policy" not in app_of(docs)
 
     # Helm deletes a key set to null; the chart renders this one's null explicitly.
     docs = chart_ops.render(CHART, VARIANTS["no gRPC API"])

@@ -35,6 +35,7 @@ def test_the_report_reads_its_figures():
         "in_process_best_k": 2,
         "in_process_speedup": 1.5,
         "served": {
+            "draft_placement": "colocated",
             "bad_request": {"tokens": 48, "drafted": 20, "accepted": 2},
             "policy": row | {"tokens_per_s": 21.0},
             "off": row | {"tokens_per_s": 15.0},
@@ -49,6 +50,6 @@ def test_the_report_reads_its_figures():
     }
     text = format_served_speedup(report)
     assert "ratio 0.933 (goal >= 0.9)" in text
-    assert "bad request first (2/20 drafted accepted)" in text
+    assert "served (draft colocated): bad request first (2/20 drafted accepted)" in text
     assert "on, k=2" in text and "22.50 tok/s" in text
     assert "served best fixed k=2: 1.500x (1.000 of in process); the policy 0.933 of it" in text

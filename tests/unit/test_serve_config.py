@@ -60,6 +60,32 @@ def test_the_graph_has_stable_names_tp_bundles_and_draft_placement():
     assert "Draft" not in str(deployments(AppArgs(draft="none")))
 
 
+def test_a_colocated_draft_deploys_no_draft_pool_and_takes_no_pool_sizes():
+    args = AppArgs(draft="ngram", draft_placement="colocated")
+    assert set(deployments(args)) == {"Ingress", "Coordinator", "TargetWorker"}
+    assert not args.draft_pool and not args.autoscaled
+    assert args.coordinator_config().num_speculative_tokens > 0  # it still speculates
+    for sizes in ({"num_draft_workers": 2}, {"max_draft_workers": 2}):
+        with pytest.raises(ValidationError, match="draft_placement='colocated'"):
+            AppArgs(draft_placement="colocated", **sizes)
+    with pytest.raises(ValidationError, match="draft_placement"):
+        AppArgs(draft_placement="beside")
+
+
+def test_auto_placement_is_resolved_once_when_the_app_is_built():
+    """The default ("auto") colocates the default target's default draft; the graph and every
+    deployment's arguments carry the answer, never "auto"."""
+    args = AppArgs()
+    assert args.draft_placement == "auto" and args.resolved_draft_placement == "colocated"
+    built = serve_build(build_app(args), name="specray")
+    assert {d.name for d in built.deployments} == {"Ingress", "Coordinator", "TargetWorker"}
+    for deployment in built.deployments:
+        assert deployment.init_args[0]["draft_placement"] == "colocated"
+    sized = AppArgs(num_draft_workers=2)  # a sized pool: workers
+    assert sized.resolved_draft_placement == "workers" and "DraftWorker" in deployments(sized)
+    assert AppArgs(draft="self:bf16").resolved_draft_placement == "workers"
+
+
 def test_autoscaled_pool_gets_an_autoscaling_config_and_an_application_policy():
     args = AppArgs(num_draft_workers=1, max_draft_workers=3)
     config = deploy_config(args, http_port=8123)

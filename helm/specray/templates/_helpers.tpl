@@ -44,9 +44,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if not (has (lower $draft) (list "none" "")) }}true{{ end }}
 {{- end }}
 
+{{/* "true" when the app deploys a draft pool on draft nodes (AppArgs.draft_pool): a draft
+     that is not colocated with its target group. A colocated draft takes no draft settings. */}}
+{{- define "specray.draftPool" -}}
+{{- if and (include "specray.draftEnabled" .) (ne (toString .Values.app.draft_placement) "colocated") }}true{{ end }}
+{{- end }}
+
 {{/* "true" when the draft pool autoscales (AppArgs.autoscaled). */}}
 {{- define "specray.autoscaled" -}}
-{{- if and (include "specray.draftEnabled" .) (not (kindIs "invalid" .Values.app.max_draft_workers)) }}true{{ end }}
+{{- if and (include "specray.draftPool" .) (not (kindIs "invalid" .Values.app.max_draft_workers)) }}true{{ end }}
 {{- end }}
 
 {{- define "specray.tlsDir" -}}/etc/specray/tls{{- end }}
@@ -64,6 +70,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if not (hasKey .Values.app "grpc_port") }}
 {{- /* Helm deletes a key set to null: render the null, "no gRPC API", explicitly. */}}
 {{- $_ := set $args "grpc_port" nil }}
+{{- end }}
+{{- if and (include "specray.draftEnabled" .) (not (include "specray.draftPool" .)) }}
+{{- /* A colocated draft has no pool: the pool's sizes (the values' defaults) do not apply. */}}
+{{- $_ := unset $args "num_draft_workers" }}
+{{- $_ := unset $args "max_draft_workers" }}
 {{- end }}
 {{- $_ := set $args "ingress_on_head" true }}
 {{- if .Values.auth.existingSecret }}
