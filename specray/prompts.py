@@ -43,6 +43,20 @@ def template_renders_tools(tokenizer) -> bool:
     return isinstance(text, str) and PROBE_TOOL_NAME in text
 
 
+def template_renders_tool_calls(tokenizer) -> bool:
+    """Whether ``tokenizer``'s chat template shows an assistant turn's ``tool_calls`` (a
+    conversation holding a probe call renders the call's name)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    call = {"type": "function", "function": {"name": PROBE_TOOL_NAME, "arguments": {}}}
+    turns = [*user_turn("Hi"), {"role": "assistant", "content": "", "tool_calls": [call]}]
+    try:
+        text = tokenizer.apply_chat_template(turns, tokenize=False)
+    except Exception:  # a template may refuse such turns its own way
+        return False
+    return isinstance(text, str) and PROBE_TOOL_NAME in text
+
+
 def prompt_token_ids(
     tokenizer,
     prompt: str | Sequence[Mapping[str, str]],

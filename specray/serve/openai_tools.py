@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 
 from specray.serve.openai_structured import ToolCalling
 
@@ -274,6 +275,27 @@ class TaggedCalls(ToolCallParser):
     @property
     def complete(self) -> bool:
         return not self._open and not self._cut
+
+
+def tool_calls_as_text(messages: Sequence[Mapping]) -> list[dict]:
+    """Chat turns for a template that ignores ``tool_calls``: each assistant turn's calls
+    appended to its content as the Hermes blocks ``auto`` parses, so the model is shown what
+    it called before the ``tool`` turns that answer it."""
+    turns = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if not calls:
+            turns.append(dict(message))
+            continue
+        blocks = "".join(
+            TOOL_CALL_OPEN
+            + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+            + TOOL_CALL_CLOSE
+            for c in calls
+        )
+        rest = {key: value for key, value in message.items() if key != "tool_calls"}
+        turns.append(rest | {"content": (message.get("content") or "") + blocks})
+    return turns
 
 
 def tool_call_parser(tools: ToolCalling | None) -> ToolCallParser | None:

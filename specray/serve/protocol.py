@@ -28,6 +28,7 @@ No torch here: the client library and the front ends import this module.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,7 +36,7 @@ from typing import Any, Protocol
 from specray.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16  # as OpenAI's API caps ``stop`` (4) and vLLM does not: a sane bound
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 SPECULATION_MODES = ("auto", "on", "off")
 # A chat call's tool_choice, as the service sees it ("named": a function is named).
 TOOL_CHOICE_MODES = ("none", "auto", "required", "named")
@@ -238,7 +239,11 @@ def check_grammar_params(params: Mapping[str, Any], grammar: str) -> None:
 
 def check_messages(messages) -> list[dict[str, str]]:
     """Chat turns: a non-empty list of ``{"role", "content"}`` with a known role; content is a
-    string or a list of ``{"type": "text", "text": ...}`` parts (joined)."""
+    string or a list of ``{"type": "text", "text": ...}`` parts (joined). A tool-using
+    conversation as OpenAI's clients send it back: an assistant turn may carry ``tool_calls``
+    (its content then may be null), a ``tool`` turn answers one (``tool_call_id``); both go
+    to the chat template, each call's ``arguments`` as an object (templates render them so;
+    OpenAI sends a JSON string)."""
     if isinstance(messages, (str, bytes, Mapping)) or not hasattr(messages, "__iter__"):
         raise InvalidRequestError(
             f"messages must be a list of {{role, content}} objects, got {messages!r}",
@@ -258,6 +263,19 @@ def check_messages(messages) -> list[dict[str, str]]:
                 f"got {role!r}",
                 param="messages",
             )
+        turn = {}
+        if role == "assistant" and message.get("tool_calls") is not None:
+            turn["tool_calls"] = _tool_calls(index, message["tool_calls"])
+            if content is None:
+                content = ""
+        if role == "tool" and message.get("tool_call_id") is not None:
+            if not isinstance(message["tool_call_id"], str):
+                raise InvalidRequestError(
+                    f"messages[{index}].tool_call_id must be a string, "
+                    f"got {message['tool_call_id']!r}",
+                    param="messages",
+                )
+            turn["tool_call_id"] = message["tool_call_id"]
         if isinstance(content, list):
             texts = []
             for part in content:
@@ -278,9 +296,44 @@ def check_messages(messages) -> list[dict[str, str]]:
                 f"messages[{index}].content must be a string, got {content!r}",
                 param="messages",
             )
-        checked.append({"role": role, "content": content})
+        checked.append({"role": role, "content": content, **turn})
     if not checked:
         raise InvalidRequestError("messages must not be empty", param="messages")
+    return checked
+
+
+def _tool_calls(index: int, calls) -> list[dict]:
+    """An assistant turn's ``tool_calls``: ``[{"id", "type": "function", "function": {"name",
+    "arguments"}}]``, arguments a JSON object (or its text)."""
+    where = f"messages[{index}].tool_calls"
+    if isinstance(calls, (str, bytes, Mapping)) or not hasattr(calls, "__iter__"):
+        raise InvalidRequestError(f"{where} must be a list, got {calls!r}", param="messages")
+    checked = []
+    for position, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(name, str) or call.get("type", "function") != "function":
+            raise InvalidRequestError(
+                f"{where}[{position}] must be {{type: function, function: {{name, arguments}}}}, "
+                f"got {call!r}",
+                param="messages",
+            )
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError:
+                arguments = None
+        if not isinstance(arguments, Mapping):
+            raise InvalidRequestError(
+                f"{where}[{position}].function.arguments must be a JSON object, "
+                f"got {function.get('arguments')!r}",
+                param="messages",
+            )
+        entry = {"type": "function", "function": {"name": name, "arguments": dict(arguments)}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        checked.append(entry)
     return checked
 
 

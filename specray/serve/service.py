@@ -20,9 +20,10 @@ from specray.engine_core.coordinator import CoordinatorConfig
 from specray.engine_core.streams import StreamDelta
 from specray.errors import InvalidRequestError, RequestCancelledError
 from specray.outputs import RequestOutput
-from specray.prompts import prompt_token_ids, template_renders_tools
+from specray.prompts import prompt_token_ids, template_renders_tool_calls, template_renders_tools
 from specray.sampling import SamplingParams, SamplingParamsError
 from specray.sampling.logprobs import TokenLogprob
+from specray.serve.openai_tools import tool_calls_as_text
 from specray.serve.protocol import GenerateRequest
 from specray.serve.text import TextStream
 
@@ -96,6 +97,7 @@ class CoordinatorService:
         self.max_model_len = max_model_len
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (<= vocabulary)
         self._renders_tools: bool | None = None  # the chat template's (probed on first use)
+        self._renders_tool_calls: bool | None = None  # the same, for assistant tool calls
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -108,10 +110,19 @@ class CoordinatorService:
             )
         if request.messages is not None:
             tools = self._template_tools(request)
-            return prompt_token_ids(
-                self.tokenizer, request.messages, use_chat_template=True, tools=tools
-            )
+            turns = self._template_turns(request.messages)
+            return prompt_token_ids(self.tokenizer, turns, use_chat_template=True, tools=tools)
         return prompt_token_ids(self.tokenizer, request.prompt, use_chat_template=False)
+
+    def _template_turns(self, messages) -> list:
+        """The turns as the chat template is given them: assistant turns' tool calls as they
+        are where the template renders them, else folded into their text (the model must see
+        what it called before the tool turns that answer)."""
+        if not any("tool_calls" in message for message in messages):
+            return list(messages)
+        if self._renders_tool_calls is None:
+            self._renders_tool_calls = template_renders_tool_calls(self.tokenizer)
+        return list(messages) if self._renders_tool_calls else tool_calls_as_text(messages)
 
     def _template_tools(self, request: GenerateRequest) -> list | None:
         """The tools to render with the turns: all of them where the chat template renders

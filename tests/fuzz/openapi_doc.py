@@ -216,7 +216,7 @@ def chat_schema(vocab_size: int, model: str) -> dict:
         "required": ["role", "content"],
         "additionalProperties": False,
         "properties": {
-            "role": {"enum": ["system", "user", "assistant"]},
+            "role": {"enum": ["system", "user", "assistant", "tool"]},
             "content": {
                 "anyOf": [
                     {"type": "string", "maxLength": 24},

@@ -288,7 +288,7 @@ BOUNDARY_MESSAGES = {
     "no prompt": pb.GenerateRequest(max_tokens=2),
     "empty chat": pb.GenerateRequest(messages=pb.ChatMessages(), max_tokens=2),
     "unknown role": pb.GenerateRequest(
-        messages=pb.ChatMessages(messages=[pb.ChatMessage(role="tool", content="x")]),
+        messages=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")]),
         max_tokens=2,
     ),
     "17 stop strings": pb.GenerateRequest(text="hi", max_tokens=2, stop=["s"] * 17),

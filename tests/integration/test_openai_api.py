@@ -1321,6 +1321,44 @@ def test_tokenize_and_detokenize(served, client):
     assert httpx.get(f"{url}/version").json()["version"]
 
 
+def test_a_tool_conversation_goes_back_to_the_model(served, client):
+    """The turns an agent loop sends after a tool call (the assistant's ``tool_calls`` as the
+    openai client returns them, then the ``tool`` answer) are accepted, and the model is
+    shown both: this template ignores ``tool_calls``, so the call is folded into the
+    assistant's text as the Hermes block the model writes. Malformed calls are 400s naming
+    messages."""
+    url = served.url()
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
+    ]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert reply.choices[0].finish_reason in {"stop", "length"}
+    tokens = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    assert tokens["count"] == reply.usage.prompt_tokens
+    text = httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    block = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    assert block in text and "18 degrees and sunny" in text
+    assert text.index(block) < text.index("18 degrees and sunny")
+    for bad in (
+        {"role": "assistant", "tool_calls": [call | {"function": {"name": "f", "arguments": "x"}}]},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": {}}]},
+        {"role": "assistant", "tool_calls": "get_weather"},
+        {"role": "tool", "tool_call_id": 5, "content": "18"},
+    ):
+        body = {"messages": [messages[0], bad], "max_tokens": 1}
+        error = _assert_error(httpx.post(f"{url}/v1/chat/completions", json=body), 400)
+        assert error["param"] == "messages" and "messages[1]" in error["message"]
+
+
 def test_metrics(served):
     reply = httpx.get(f"{served.url()}/metrics")
     assert reply.status_code == 200
