@@ -1,6 +1,7 @@
 """Starting the distributed workers as Ray actors: one target group (TP ranks on one target
 node; rank 0 hosts the engine core, :mod:`specray.engine_core.host`) and a pool of draft
-workers on draft nodes, each connected to the engine core over its own stream.
+workers on draft nodes, each connected to the engine core over its own stream (or one draft
+colocated in rank 0's process, linked to the engine core in memory).
 
 Ray places, starts and replaces these processes; it carries no per-round traffic. A draft
 worker that dies is replaced by the backend's supervisor while its requests run target-only.
@@ -197,7 +198,9 @@ def start_draft_actor(target: str, draft: str, encoding: str, placement: Placeme
 
 
 class DistributedBackend:
-    """Starts and owns the actors: ``target_ranks`` (rank 0 = ``leader``) and ``drafts``."""
+    """Starts and owns the actors: ``target_ranks`` (rank 0 = ``leader``) and ``drafts``
+    (none when the draft is ``colocated`` in the leader's process: ``draft_placement``,
+    :func:`~specray.cluster.placement.resolve_draft_placement`)."""
 
     def __init__(
         self,
