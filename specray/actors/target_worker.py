@@ -71,6 +71,7 @@ class TargetWorker:
     ):
         torch.set_num_threads(num_threads)
         self.target = target
+        self.colocated_draft = None  # rank 0: a draft run in this process (colocate_draft)
         self.rank, self.world_size = rank, world_size
         self.device = worker_device(device)
         if world_size > 1:
@@ -110,7 +111,6 @@ class TargetWorker:
             # Plaintext and unauthenticated (an internal port): bound to the cluster network
             # address only, never to every interface.
             self.verifier = VerifierServicer(self.inbox, self.vocab_size, self.pool)
-            self.colocated_draft = None
             self._server, self.address = start_server(
                 self.verifier,
                 host=verifier_host or node_ip(),
@@ -393,7 +393,7 @@ class TargetWorker:
     def stop(self) -> None:
         """Stop the engine core, the followers' loops (rank 0) and the gRPC server."""
         self.stop_engine_core()
-        if getattr(self, "colocated_draft", None) is not None:
+        if self.colocated_draft is not None:
             self.colocated_draft.stop()
         if self.world_size > 1:
             self.core.runner.stop()

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from importlib import resources
-from pathlib import Path
 
-from specray.distill import DRAFT_FILE
+from specray.data import measured_drafts_file
+from specray.distill import is_distilled_draft
 from specray.models.device import check_device_spec
 
 
@@ -125,10 +124,12 @@ def resolve_draft_placement(
 def _draft_parts(draft: str, target: str) -> list[str]:
     """A draft name's proposal sources, "default" / "auto" read as the winner recorded for the
     target (specray/data/drafters.json; the fallback, the target's own weights, for a target
-    never measured). Files and names only: the Serve controller builds the app without torch."""
+    never measured: not small). Files and names only: the Serve controller builds the app
+    without torch."""
     if draft in {"default", "auto"}:
-        record = json.loads(resources.files("specray.data").joinpath("drafters.json").read_text())
-        draft = record["winner"]["draft"] if target == record["target"] else "self:auto"
+        record = json.loads(measured_drafts_file().read_text())
+        if target == record["target"]:
+            draft = record["winner"]["draft"]
     return draft.split("+")
 
 
@@ -136,6 +137,6 @@ def _small_draft(part: str) -> bool:
     if part == "ngram" or part.split(":")[0] == "distilled":
         return True
     try:  # a `specray distill` output: a few layers by design
-        return (Path(part) / DRAFT_FILE).is_file()
+        return is_distilled_draft(part)
     except OSError:
         return False

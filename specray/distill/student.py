@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specray.distill import DRAFT_FILE
+from specray.distill import DRAFT_FILE, is_distilled_draft
 
 WEIGHTS_FILE = "draft.safetensors"
 FORMAT_VERSION = 1
@@ -191,10 +191,6 @@ def save_draft(student: nn.Module, folder: Path, target_source: str, tokenizer, 
     os.replace(folder / ".config.json.tmp", folder / "config.json")
     (folder / f".{DRAFT_FILE}.tmp").write_text(json.dumps(marker, indent=2) + "\n")
     os.replace(folder / f".{DRAFT_FILE}.tmp", folder / DRAFT_FILE)
-
-
-def is_distilled_draft(path: str | Path) -> bool:
-    return (Path(path) / DRAFT_FILE).is_file()
 
 
 def read_marker(folder: Path) -> dict:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from specray.distill.student import is_distilled_draft
+from specray.data import measured_drafts_file
+from specray.distill import is_distilled_draft
 from specray.drafters.base import DraftBlock, Drafter, DraftRequest
 from specray.drafters.chain import FirstFoundDrafter
 from specray.drafters.digest import model_digest
@@ -34,10 +35,6 @@ FALLBACK_DRAFT = "self:auto"  # for a target with no measurement: works for any 
 
 def shipped_draft_dir() -> Path:
     return Path(str(resources.files("specray.data").joinpath("drafts", "smollm2-135m-instruct")))
-
-
-def measured_drafts_file() -> Path:
-    return Path(str(resources.files("specray.data").joinpath("drafters.json")))
 
 
 def measured_winner(target: LoadedModel | ModelInfo, path: Path | None = None) -> str:
