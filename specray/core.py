@@ -8,6 +8,9 @@ target worker drives it with draft blocks that arrived over gRPC. Either way a r
   3. the verification rule (greedy or stochastic, keyed draws) commits 1..n+1 tokens;
   4. the target cache rolls back the rejected suffix.
 The target cache holds every committed token except the last ("pending"), which is fed first.
+A request new to the target caches its context in the round's forward too, before its pending
+token (``fused``: one forward for the round, not a prefill forward beside it), unless it scores
+its prompt, takes a chunk of it, or the draft reads target features (:meth:`TargetCore.fusable`).
 
 With ``keep_features`` (a feature-conditioned drafter) the core also keeps, per request, the
 target's final-norm hidden state h_i of every committed position in its cache: prefill gives
@@ -315,18 +318,55 @@ class TargetCore:
         for request_id in request_ids:
             self._features.pop(request_id, None)
 
+    def fusable(
+        self, requests: Sequence[RequestState], until: Mapping[Hashable, int | None]
+    ) -> dict[Hashable, list[int]]:
+        """Of ``requests`` (new here, or cached short of their context), those whose context
+        the round's verification forward can cache before their pending token, with the
+        tokens each still lacks: one packed forward for the round instead of a prefill forward
+        beside it. Not a request that scores its prompt (prompt logprobs read every
+        position's logits), one granted a chunk short of its context (``until``), nor any
+        when the draft reads target features (every position's hidden state is kept). They
+        leave ``prefilling``: :meth:`verify_round` caches the rest of their context."""
+        if self.keep_features:
+            return {}
+        fused = {}
+        for request in requests:
+            seq_id, params = request.request_id, request.params
+            context = [*request.prompt_token_ids, *request.output_token_ids][:-1]
+            grant = until.get(seq_id)
+            if params.prompt_logprobs is not None or (grant is not None and grant < len(context)):
+                continue
+            cached = self.runner.length(seq_id) if seq_id in self.runner else 0
+            fused[seq_id] = context[cached:]
+            self.prefilling.discard(seq_id)
+        return fused
+
     def verify_round(
-        self, requests: Sequence[RequestState], blocks: Mapping[Hashable, Block]
+        self,
+        requests: Sequence[RequestState],
+        blocks: Mapping[Hashable, Block],
+        uncached: Mapping[Hashable, Sequence[int]] | None = None,
     ) -> list[list[int]]:
-        """One round for ``requests``; ``blocks`` lacks requests that run target-only.
+        """One round for ``requests``; ``blocks`` lacks requests that run target-only;
+        ``uncached``: the context tokens a request still lacks in the cache (:meth:`fusable`),
+        fed before its pending token in the same forward.
 
         Commits the tokens into each request (stop and length applied), records metrics and
         rolls the cache back to the accepted prefix. Returns the committed tokens per request.
         """
         empty: Block = ([], torch.zeros(0, self.vocab_size, device=self.runner.device))
         blocks = {r.request_id: blocks.get(r.request_id, empty) for r in requests}
-        feeds = {r.request_id: [r.pending_token, *blocks[r.request_id][0]] for r in requests}
-        sizes = {key: len(value) for key, value in feeds.items()}
+        uncached = uncached or {}
+        # Logits (and hidden states) of [pending, d_1 .. d_n]: the trailing rows of each feed.
+        sizes = {r.request_id: 1 + len(blocks[r.request_id][0]) for r in requests}
+        feeds = {}
+        for r in requests:
+            feeds[r.request_id] = [
+                *uncached.get(r.request_id, ()),
+                r.pending_token,
+                *blocks[r.request_id][0],
+            ]
         hidden = {}  # request -> h of [pending, d_1 .. d_n]: [n + 1, hidden]
         timer = DeviceTimer(self.runner.device).start()
         if self.keep_features:

@@ -37,9 +37,9 @@ import msgpack
 from specray.sampling.logprobs import TokenLogprob
 from specray.sampling.params import SamplingParams
 
-PROTOCOL_VERSION = 5  # 2: logprobs in VerifyResult and Delta; 3: VerifyResult.error, and
+PROTOCOL_VERSION = 6  # 2: logprobs in VerifyResult and Delta; 3: VerifyResult.error, and
 # RoundReport.num_tokens / kv_cache_usage; 4: VerifyItem.scheduled_ahead, VerifyResult.ended;
-# 5: RoundReport.shared_tokens
+# 5: RoundReport.shared_tokens; 6: RoundReport.fused_prefill_tokens
 # Explicit msgpack limits on a decoded message (docs/design.md section 6): a message over them is
 # refused whole. Strings are request ids (at most 128 characters), enum values and finish reasons.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -131,6 +131,9 @@ class RoundReport:
     wait_s: float  # waited for draft blocks (the pipeline bubble)
     compute_s: float  # prefill, forward and verification: busy is busy
     prefill_s: float = 0.0  # of requests new to the target (part of compute_s)
+    # Context tokens cached by the verification forward itself (requests new to the target,
+    # prefilled in the round's one forward): that forward's time is not a verification cost.
+    fused_prefill_tokens: int = 0
     forward_s: float = 0.0  # the verification forward alone
     service_s: float = 0.0  # inside the call
     num_tokens: int = 0  # tokens the round's forwards ran: prompts prefilled and verification

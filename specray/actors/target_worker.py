@@ -267,9 +267,13 @@ class TargetWorker:
         ]
         prefilling = set()  # cached short of their context after this round's prefill
         scored = {s.request_id: len(s.prompt_logprobs) for s in states}  # before this round
+        fused = {}  # request -> context tokens the verification forward caches first
         if unready:
             until = {item.request_id: item.prefill_until for item in items}
-            prefilling = self.core.prefill([self._replay_view(s) for s in unready], until)
+            fused = self.core.fusable(unready, until)
+            rest = [self._replay_view(s) for s in unready if s.request_id not in fused]
+            if rest:
+                prefilling = self.core.prefill(rest, until)
         keys = self.rounds.expected(items, prefilling)
         waited = time.perf_counter()
         prefill_s = waited - prefill_started
@@ -284,7 +288,7 @@ class TargetWorker:
         committed = dict(
             zip(
                 [state.request_id for state in ready],
-                self.core.verify_round(ready, blocks) if ready else [],
+                self.core.verify_round(ready, blocks, fused) if ready else [],
                 strict=True,
             )
         )
@@ -331,6 +335,7 @@ class TargetWorker:
             wait_s=wait_s,
             compute_s=service_s - wait_s,
             prefill_s=prefill_s,
+            fused_prefill_tokens=sum(len(tokens) for tokens in fused.values()),
             forward_s=forward_s,
             service_s=service_s,
             num_tokens=self.runner.tokens_fed - fed_before,

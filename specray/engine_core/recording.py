@@ -33,6 +33,7 @@ class CoordinatorStats:
     target_prefill_s: float = 0.0  # prompt processing of requests new to the target
     target_forward_s: float = 0.0  # verification forwards alone (busy minus rules, prefill)
     target_prefill_tokens: int = 0
+    fused_prefill_tokens: int = 0  # of those, cached by a round's verification forward
     prefill_chunks: int = 0  # request-rounds that only prefilled part of a prompt (chunked)
     draft_prefill_s: float = 0.0  # the same on draft workers (a separate call)
     draft_prefill_tokens: int = 0
@@ -66,7 +67,10 @@ def record_round(
     stats.target_forward_s += reply.forward_s
     if prefill_s > 0:
         stats.target_prefill_s += prefill_s
-    if verified:  # (a round of prompt chunks only verifies nothing)
+    stats.fused_prefill_tokens += reply.fused_prefill_tokens
+    # (a round of prompt chunks only verifies nothing; one that prefilled in its forward
+    # measured more than a verification)
+    if verified and not reply.fused_prefill_tokens:
         widest = max(r.num_draft_tokens + 1 for r in verified)  # tokens fed: pending + drafts
         verify_s = compute_s - prefill_s
         costs.add_verify(len(verified), widest, verify_s, verify_prior)

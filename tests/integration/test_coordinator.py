@@ -359,6 +359,38 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_backend):
     assert _held(tiny_backend) == ([], [])
 
 
+def test_new_requests_are_prefilled_in_the_verification_forward(tiny_backend, tiny_pair):
+    """Requests joining decoding ones cache their prompts in the round's one forward (no
+    prefill forward of their own) and get the tokens the in-process engine gives them, which
+    prefills apart; one that scores its prompt (prompt logprobs) is prefilled apart, with the
+    same scores."""
+    runner = _coordinator(tiny_backend, num_speculative_tokens=2, num_micro_batches=1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    scored = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+    prompts = [[(3 * i + 1) % 5 for i in range(30)], [(2 * i + 3) % 5 for i in range(20)]]
+    try:
+        before = runner.stats()["fused_prefill_tokens"]
+        running = [runner.submit([1, 2], greedy, request_id=f"d{i}") for i in range(2)]
+        next(iter(running[0]))  # decoding before the others arrive
+        joined = [
+            runner.submit(prompt, greedy, request_id=f"j{i}") for i, prompt in enumerate(prompts)
+        ]
+        asking = runner.submit(prompts[0], scored, request_id="scored")
+        outputs = [stream.result() for stream in (*joined, asking, *running)]
+        fused = runner.stats()["fused_prefill_tokens"] - before
+    finally:
+        runner.stop()
+    # Every context token but the scored prompt's: the prompts less their pending tokens.
+    assert fused == (30 - 1) + (20 - 1) + 2 * (2 - 1)
+    local = Engine(tiny_pair[1], draft=tiny_pair[2], num_speculative_tokens=2)
+    expected = local.generate([*prompts, prompts[0]], [greedy, greedy, scored])
+    assert [o.token_ids for o in outputs[:3]] == [o.token_ids for o in expected]
+    assert [(p.token_id, round(p.logprob, 4)) for p in outputs[2].prompt_logprobs[1:]] == [
+        (p.token_id, round(p.logprob, 4)) for p in expected[2].prompt_logprobs[1:]
+    ]
+    assert _held(tiny_backend) == ([], [])
+
+
 def test_cancel_mid_chunked_prefill_releases_worker_state(tiny_backend):
     """A 400-token prompt prefilled 2 tokens a round (200 rounds) is cancelled while the
     target holds part of it: the target and the draft worker free it; a request decoding
