@@ -9,6 +9,11 @@ and the OpenAI-compatible HTTP API (``http``, not streamed; one kept-alive conne
 client, as SDKs keep theirs), at each concurrency, in one run: every path is alive throughout
 and they take turns, ``repeats`` times, so that the machine's slow spells fall on all of them.
 
+The served paths' clients are coroutines on one event loop (the client library's
+``AsyncClient``, aiohttp), as asyncio load generators such as vLLM's serving benchmark drive a
+server: a thread per client would add this process's own GIL to what is measured. The engine's
+API and a driver's session are synchronous: their clients are threads.
+
 With the default tiny random model the model's own time is negligible, so the differences are
 the machinery: per request (admission, front end, Serve handle) and per token (the engine
 core's round and its messages). Every request generates exactly ``max_tokens`` tokens
@@ -16,14 +21,11 @@ core's round and its messages). Every request generates exactly ``max_tokens`` t
 
 from __future__ import annotations
 
-import http.client
-import json
+import asyncio
 import socket
 import statistics
 import tempfile
-import threading
 import time
-import urllib.parse
 from dataclasses import asdict, dataclass
 
 from specray.bench.clients import run_clients
@@ -89,6 +91,86 @@ def _closed_loop(concurrency: int, per_client: int, send) -> tuple[list[float], 
     return latencies, time.perf_counter() - started
 
 
+def _closed_loop_async(concurrency: int, per_client: int, open_clients) -> tuple[list, float]:
+    """``concurrency`` clients as coroutines on one event loop, each sending ``per_client``
+    requests back to back. ``open_clients(concurrency)`` (on the loop) returns one send
+    coroutine function per client and a coroutine function that closes them; each client's
+    connection is opened by a first request before the clock starts."""
+
+    async def run() -> tuple[list[float], float]:
+        sends, close = await open_clients(concurrency)
+        try:
+            await asyncio.gather(*(send(f"Client {n} connects.") for n, send in enumerate(sends)))
+            latencies: list[float] = []
+
+            async def client(number: int) -> None:
+                for index in range(per_client):
+                    started = time.perf_counter()
+                    await sends[number](_prompt(number, index))
+                    latencies.append(time.perf_counter() - started)
+
+            started = time.perf_counter()
+            await asyncio.gather(*(client(n) for n in range(concurrency)))
+            return latencies, time.perf_counter() - started
+        finally:
+            await close()
+
+    return asyncio.run(run())
+
+
+def _grpc_clients(target: str, fields: dict, *, stream: bool):
+    """The client library's ``AsyncClient``, one channel for all clients (as the synchronous
+    ``Client`` shares one): ``generate``, or every chunk of ``stream``."""
+    from specray.client.aio import AsyncClient
+
+    async def open_clients(concurrency: int):
+        client = AsyncClient(target)
+
+        async def send(prompt: str) -> None:
+            if stream:
+                chunks = [chunk async for chunk in client.stream(prompt, **fields)]
+                assert chunks[-1].completion.completion_tokens == fields["max_tokens"]
+            else:
+                completion = await client.generate(prompt, **fields)
+                assert completion.completion_tokens == fields["max_tokens"]
+
+        return [send] * concurrency, client.close
+
+    return open_clients
+
+
+def _http_clients(base_url: str, body: dict):
+    """aiohttp, one kept-alive connection per client (as the OpenAI SDKs keep theirs): a new
+    TCP connection per request would measure connection set-up, not the serving path."""
+    import aiohttp
+
+    url = base_url + "/v1/completions"
+
+    async def open_clients(concurrency: int):
+        sessions = [
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+            for _ in range(concurrency)
+        ]
+
+        def sender(session):
+            async def send(prompt: str) -> None:
+                async with session.post(url, json={**body, "prompt": prompt}) as response:
+                    reply = await response.json()
+                    if response.status != 200:
+                        raise RuntimeError(f"POST {url}: HTTP {response.status}: {reply}")
+                assert reply["usage"]["completion_tokens"] == body["max_tokens"]
+
+            return send
+
+        async def close() -> None:
+            for session in sessions:
+                await session.close()
+
+        return [sender(session) for session in sessions], close
+
+    return open_clients
+
+
 def _row(path: str, concurrency: int, latencies: list[float], wall_s: float, tokens: int):
     mean = statistics.fmean(latencies)
     return OverheadRow(
@@ -99,30 +181,6 @@ def _row(path: str, concurrency: int, latencies: list[float], wall_s: float, tok
         ms_per_token=1000 * mean / tokens,
         tokens_per_s=len(latencies) * tokens / wall_s,
     )
-
-
-class _KeepAlive:
-    """An HTTP/1.1 client with one persistent connection per thread, as the OpenAI SDKs keep
-    theirs alive: a new TCP connection per request would measure connection set-up, not the
-    serving path."""
-
-    def __init__(self, base_url: str, timeout_s: float = 300.0):
-        parts = urllib.parse.urlsplit(base_url)
-        self.host, self.port, self.timeout_s = parts.hostname, parts.port, timeout_s
-        self.local = threading.local()
-
-    def post_json(self, path: str, body: dict) -> dict:
-        connection = getattr(self.local, "connection", None)
-        if connection is None:
-            connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
-            self.local.connection = connection
-        payload = json.dumps(body).encode()
-        connection.request("POST", path, payload, {"content-type": "application/json"})
-        response = connection.getresponse()
-        data = response.read()
-        if response.status != 200:
-            raise RuntimeError(f"POST {path}: HTTP {response.status}: {data[:200]!r}")
-        return json.loads(data)
 
 
 def _free_port() -> int:
@@ -213,36 +271,31 @@ def _rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
                 output = session.submit(ids, params, stream=False).result()
                 assert len(output.token_ids) == tokens
 
-            def grpc_send(prompt: str) -> None:
-                completion = client.generate(prompt, **fields)
-                assert completion.completion_tokens == tokens
-
-            def grpc_stream_send(prompt: str) -> None:
-                chunks = list(client.stream(prompt, **fields))
-                assert chunks[-1].completion.completion_tokens == tokens
-
-            api = _KeepAlive(endpoints.http)
-
-            def http_send(prompt: str) -> None:
-                body = {"model": "bench", "prompt": prompt, **fields}
-                reply = api.post_json("/v1/completions", body)
-                assert reply["usage"]["completion_tokens"] == tokens
-
             def ray_clients_send(prompt: str) -> None:
                 (output,) = engine.generate([prompt], params, use_chat_template=False)
                 assert len(output.token_ids) == tokens
 
+            def threads(send):
+                return lambda concurrency, per_client: _closed_loop(concurrency, per_client, send)
+
+            def coroutines(open_clients):
+                return lambda concurrency, per_client: _closed_loop_async(
+                    concurrency, per_client, open_clients
+                )
+
+            body = {"model": "bench", **fields}
             paths = (
-                ("ray-clients", ray_clients_send),
-                ("session", session_send),
-                ("grpc", grpc_send),
-                ("grpc-stream", grpc_stream_send),
-                ("http", http_send),
+                ("ray-clients", threads(ray_clients_send)),
+                ("session", threads(session_send)),
+                ("grpc", coroutines(_grpc_clients(endpoints.grpc, fields, stream=False))),
+                ("grpc-stream", coroutines(_grpc_clients(endpoints.grpc, fields, stream=True))),
+                ("http", coroutines(_http_clients(endpoints.http, body))),
             )
             for warm in (local, engine):
                 warm.generate([_prompt(0, 0)], params, use_chat_template=False)
-            for _, send in paths:
-                send(_prompt(0, 0))
+            client.generate(_prompt(0, 0), **fields)  # the served app (and its gRPC API) is up
+            for _, run in paths:
+                run(1, 1)
             for concurrency in config.concurrency:
                 runs: dict[str, list[tuple[list[float], float]]] = {"engine": [], "ray": []}
                 runs |= {path: [] for path, _ in paths}
@@ -254,10 +307,8 @@ def _rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
                     counts.add(before, engine.engine_stats())
                     # The served paths in an order rotated each turn: none always runs after
                     # the same one.
-                    for path, send in paths[turn % len(paths) :] + paths[: turn % len(paths)]:
-                        runs[path].append(
-                            _closed_loop(concurrency, config.requests_per_client, send)
-                        )
+                    for path, run in paths[turn % len(paths) :] + paths[: turn % len(paths)]:
+                        runs[path].append(run(concurrency, config.requests_per_client))
                 for path, measured in runs.items():
                     latencies = [latency for run, _ in measured for latency in run]
                     wall = sum(wall for _, wall in measured)

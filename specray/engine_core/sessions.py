@@ -75,7 +75,9 @@ class Session:
         self._flush_scheduled = False
         # requests submitted with stream=False -> whether their first tokens went out
         self._unstreamed: dict[str, bool] = {}
+        self._first: set[str] = set()  # unstreamed requests whose first tokens go next
         self._progress: asyncio.TimerHandle | None = None
+        self._report_due = False  # the progress timer fired: held tokens go with the next
         self.batches_sent = 0
 
     async def take(self, batch: FrontendBatch) -> None:
@@ -110,12 +112,13 @@ class Session:
         held = self._tokens.get(request_id)
         self._tokens[request_id] = delta if held is None else held.merge(delta)
         started = self._unstreamed.get(request_id)
-        if started:  # travels with the next message, or its progress report
+        if started:  # held for its progress report or its end
             if self._progress is None:
                 self._progress = self.loop.call_later(PROGRESS_INTERVAL_S, self._report)
             return
         if started is not None:  # its first tokens go now (its admission)
             self._unstreamed[request_id] = True
+            self._first.add(request_id)
         self._schedule()
 
     def on_end(self, request_id: str, output: RequestOutput | None, error) -> None:
@@ -128,6 +131,7 @@ class Session:
 
     def _report(self) -> None:
         self._progress = None
+        self._report_due = True
         self._schedule()
 
     def _schedule(self) -> None:
@@ -136,14 +140,19 @@ class Session:
             self.loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """One message with everything this turn of the loop committed or ended (and what
-        unstreamed requests committed since the last message)."""
+        """One message with everything this turn of the loop committed or ended. An
+        unstreamed request's tokens go with its first tokens, its progress report or its
+        end only: a front end wakes each request a delta names, and a caller waiting for
+        the whole output has nothing to do with the tokens between."""
         self._flush_scheduled = False
-        if self._progress is not None:  # what it would report goes now
-            self._progress.cancel()
-            self._progress = None
+        report, self._report_due = self._report_due, False
+        held: dict[str, StreamDelta] = {}
         deltas = []
         for request_id, new in self._tokens.items():
+            due = report or request_id in self._first or request_id in self._ends
+            if self._unstreamed.get(request_id) and not due:
+                held[request_id] = new
+                continue
             end = self._ends.pop(request_id, None)
             finished, error = (None, None) if end is None else (end.finished, end.error)
             prompt = new.prompt_logprobs
@@ -158,8 +167,9 @@ class Session:
                 )
             )
         deltas.extend(self._ends.values())
-        self._tokens.clear()
+        self._tokens = held
         self._ends.clear()
+        self._first.clear()
         if deltas:
             self.batches_sent += 1
             self._send(encode(DeltaBatch(tuple(deltas))))

@@ -129,3 +129,29 @@ def test_unstreamed_requests_send_first_tokens_progress_and_end(backend):
     progress = counts["elapsed_s"] / PROGRESS_INTERVAL_S + 1
     assert counts["deltas_sent"] <= 2 * batch + progress
     assert counts["deltas_sent"] < counts["rounds"]
+
+
+def test_an_unstreamed_request_is_not_woken_by_a_streamed_neighbour(backend):
+    """A streamed request beside an unstreamed one makes the session send a delta batch every
+    round; the unstreamed request's tokens stay out of them but for its first tokens, its
+    progress reports and its end (its front end would wake it for nothing), and its output
+    is whole."""
+    from specray.engine_core.sessions import PROGRESS_INTERVAL_S
+
+    client = EngineCoreClient(backend.start_engine(CONFIG))
+    params = SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True, seed=3)
+    try:
+        started = time.monotonic()
+        streamed, whole = client.submit_many(
+            [([1, 2, 3], params, {"stream": True}), ([1, 2, 3], params, {"stream": False})]
+        )
+        streamed_deltas, whole_deltas = list(streamed), list(whole)
+        elapsed_s = time.monotonic() - started
+        rounds = backend.engine_stats()["stats"]["rounds"]
+    finally:
+        client.close()
+        ray.get(backend.leader.stop_engine_core.remote(drain=True))
+    print(f"rounds {rounds}: streamed {len(streamed_deltas)}, whole {len(whole_deltas)}")
+    assert len(streamed_deltas) >= LENGTH // 3  # a delta each round (k = 2: 3 tokens at most)
+    assert len(whole_deltas) <= 2 + elapsed_s / PROGRESS_INTERVAL_S + 1
+    assert len(whole.result().token_ids) == LENGTH
