@@ -129,7 +129,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--draft-placement",
         choices=("auto", "workers", "colocated"),
-        help="for --serving: where the served app runs its draft (default: the app's, auto)",
+        help="for --serving: where the served app runs its draft (default: the app's, auto); "
+        "for --concurrency: on the draft node (workers, the default) or in the target's process",
     )
     bench.add_argument(
         "--steps",
@@ -331,6 +332,7 @@ def _serving_bench(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         requests_per_client=args.requests_per_client,
         draft_deadline_s=args.draft_deadline,
+        draft_placement=args.draft_placement or "workers",
     )
     report = run_serving_bench(config)
     if args.json:

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 from specray.bench.clients import run_clients
 from specray.bench.main import acceptance_from_mean_length, load_prompts
-from specray.cluster.placement import PlacementConfig
+from specray.cluster.placement import DRAFT_PLACEMENTS, PlacementConfig
 from specray.engine_core.client import EngineCoreClient
 from specray.engine_core.coordinator_config import (
     DEFAULT_DRAFT_DEADLINE_S,
@@ -48,8 +48,15 @@ class ServingBenchConfig:
     temperature: float = 0.0
     draft_probs_encoding: str = "top64"  # sparse q: ~0.5 kB per drafted token instead of 196 kB
     draft_deadline_s: float = DEFAULT_DRAFT_DEADLINE_S
+    # The cluster has a draft node beside the target's: the draft works there, in parallel with
+    # verification, as the pipelined bound assumes ("colocated": in the target's process).
+    draft_placement: str = "workers"
 
     def __post_init__(self) -> None:
+        if self.draft_placement not in DRAFT_PLACEMENTS:
+            raise ValueError(
+                f"draft_placement must be one of {DRAFT_PLACEMENTS}, got {self.draft_placement!r}"
+            )
         for name in ("max_tokens", "requests_per_client", "num_speculative_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -354,6 +361,7 @@ def run_serving_bench(config: ServingBenchConfig) -> dict:
             config.draft,
             placement=placement,
             draft_probs_encoding=config.draft_probs_encoding,
+            draft_placement=config.draft_placement,
         )
         _log("calibrating: target forwards over (batch, tokens), draft steps over batch")
         calibration = backend.calibrate()

@@ -304,3 +304,14 @@ def test_cli_refuses_plot_before_the_bench_runs(tmp_path, monkeypatch, capsys):
     missing = str(tmp_path / "no" / "x.png")
     assert cli.main(["bench", "--drafters", "ngram", "--plot", missing]) == 2
     assert "--plot: no directory" in capsys.readouterr().err
+
+
+def test_the_concurrency_bench_drafts_on_its_draft_node_unless_told():
+    """Its cluster has a draft node beside the target's (the pipelined bound assumes the
+    draft works in parallel): workers by default, colocated when asked, nothing else."""
+    from specray.bench.serving import ServingBenchConfig
+
+    assert ServingBenchConfig().draft_placement == "workers"
+    assert ServingBenchConfig(draft_placement="colocated").draft_placement == "colocated"
+    with pytest.raises(ValueError, match=r"draft_placement .*'nearby'"):
+        ServingBenchConfig(draft_placement="nearby")
