@@ -333,7 +333,10 @@ def inject(fault: Fault, state) -> tuple[str, tuple[str, int] | None]:
         victims = [names[h] for h in hosts if names.get(h, "").startswith("draft-")]
         name = sorted(victims)[-1]
         node = next(n for n in state.nodes if n.name == name)
-        victims_pids = [a.pid for a in _actors("DraftWorker") if a.node_id in hosts]
+        # Only the stopped node's draft workers: one on a surviving node stays alive, and
+        # waiting for it to be replaced would never end.
+        stopped_id = next(h for h in hosts if names.get(h) == name)
+        victims_pids = [a.pid for a in _actors("DraftWorker") if a.node_id == stopped_id]
         stopped = stop_session(node.session, grace_s=1.0)
         killed = ("DraftWorker", victims_pids[0]) if victims_pids else None
         return f"stopped node {name} ({stopped.processes} processes)", killed
