@@ -55,6 +55,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from specray.cluster.placement import DRAFT_PLACEMENTS  # (no torch: --help stays quick)
+
     parser = argparse.ArgumentParser(prog="specray", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -128,7 +130,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--draft-placement",
-        choices=("auto", "workers", "colocated"),
+        choices=DRAFT_PLACEMENTS,
         help="for --serving: where the served app runs its draft (default: the app's, auto); "
         "for --concurrency: on the draft node (workers, the default) or in the target's process",
     )

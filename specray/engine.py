@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specray.cluster.distributed import DistributedBackend, connect
-from specray.cluster.placement import DRAFT_PLACEMENTS, PlacementConfig
+from specray.cluster.placement import PlacementConfig, check_draft_placement
 from specray.core import Block, RequestState, TargetCore, eos_token_ids
 from specray.drafters import Drafter, DraftRequest, make_drafter
 from specray.engine_core.admission import check_structured_outputs
@@ -133,10 +133,10 @@ class Engine:
             raise EngineInputError(f"max_batch_size must be an integer, got {max_batch_size!r}")
         if max_batch_size < 1:
             raise EngineInputError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if draft_placement not in DRAFT_PLACEMENTS:
-            raise EngineInputError(
-                f"draft_placement must be one of {list(DRAFT_PLACEMENTS)}, got {draft_placement!r}"
-            )
+        try:
+            check_draft_placement(draft_placement)
+        except ValueError as error:
+            raise EngineInputError(str(error)) from None
         if not isinstance(batch_invariant, bool):
             raise EngineInputError(
                 f"batch_invariant must be True or False, got {batch_invariant!r}"

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 from specray.bench.clients import run_clients
 from specray.bench.main import acceptance_from_mean_length, load_prompts
-from specray.cluster.placement import DRAFT_PLACEMENTS, PlacementConfig
+from specray.cluster.placement import PlacementConfig, check_draft_placement
 from specray.engine_core.client import EngineCoreClient
 from specray.engine_core.coordinator_config import (
     DEFAULT_DRAFT_DEADLINE_S,
@@ -53,10 +53,7 @@ class ServingBenchConfig:
     draft_placement: str = "workers"
 
     def __post_init__(self) -> None:
-        if self.draft_placement not in DRAFT_PLACEMENTS:
-            raise ValueError(
-                f"draft_placement must be one of {DRAFT_PLACEMENTS}, got {self.draft_placement!r}"
-            )
+        check_draft_placement(self.draft_placement)
         for name in ("max_tokens", "requests_per_client", "num_speculative_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -97,6 +97,15 @@ class PlacementConfig:
 DRAFT_PLACEMENTS = ("auto", "workers", "colocated")
 
 
+def check_draft_placement(placement: str) -> None:
+    """A ValueError naming the parameter unless ``placement`` is one of
+    :data:`DRAFT_PLACEMENTS`."""
+    if placement not in DRAFT_PLACEMENTS:
+        raise ValueError(
+            f"draft_placement must be one of {list(DRAFT_PLACEMENTS)}, got {placement!r}"
+        )
+
+
 def resolve_draft_placement(
     placement: str, draft: str | None, target: str, *, pool_sized: bool = False
 ) -> str:
@@ -110,10 +119,7 @@ def resolve_draft_placement(
     verification on other devices; so does any draft whose pool was sized (``pool_sized``:
     more than one worker, or an autoscaling ceiling). A colocated draft needs no network hop
     per round; docs/design.md, section 2."""
-    if placement not in DRAFT_PLACEMENTS:
-        raise ValueError(
-            f"draft_placement must be one of {list(DRAFT_PLACEMENTS)}, got {placement!r}"
-        )
+    check_draft_placement(placement)
     if placement != "auto":
         return placement
     if draft is None or pool_sized:
