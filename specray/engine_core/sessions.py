@@ -13,6 +13,7 @@ state freed)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -79,6 +80,29 @@ class Session:
         self._progress: asyncio.TimerHandle | None = None
         self._report_due = False  # the progress timer fired: held tokens go with the next
         self.batches_sent = 0
+        # What the front end sent, in order, for one task on the loop to take: the reading
+        # thread hands each message over without waiting for the loop (a burst of messages
+        # is taken in one turn, not one thread-to-loop round trip each); None: it went away.
+        self._inbox: collections.deque[FrontendBatch | None] = collections.deque()
+        self._taker: asyncio.Task | None = None
+
+    def receive(self, batch: FrontendBatch | None) -> None:
+        """On the loop: queue a message from the front end (None: the front end went away,
+        after everything it sent)."""
+        self._inbox.append(batch)
+        if self._taker is None or self._taker.done():
+            self._taker = self.loop.create_task(self._take_all())
+
+    async def _take_all(self) -> None:
+        while self._inbox:
+            batch = self._inbox.popleft()
+            if batch is None:
+                self.close()
+                return
+            try:
+                await self.take(batch)
+            except Exception:  # a bad message must not strand the ones behind it
+                log.exception("taking a front end's message failed")
 
     async def take(self, batch: FrontendBatch) -> None:
         for submit in batch.submits:
@@ -207,11 +231,11 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
                     except ProtocolError as error:  # another version: end the session, loudly
                         log.error("closing a front-end session: %s", error)
                         return
-                    asyncio.run_coroutine_threadsafe(session.take(batch), host.loop).result()
+                    host.loop.call_soon_threadsafe(session.receive, batch)
             except grpc.RpcError:
                 pass  # the front end went away
             finally:
-                host.loop.call_soon_threadsafe(session.close)
+                host.loop.call_soon_threadsafe(session.receive, None)
                 outbox.put(_CLOSED)
 
         threading.Thread(target=read, name="frontend-session", daemon=True).start()
