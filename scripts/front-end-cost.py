@@ -136,7 +136,7 @@ def main() -> None:
         target = save_tiny_model(folder)
         connect("auto", PlacementConfig(), env=serve_env(local=True))
         engine = Engine(target, cluster="auto")
-        address = engine.backend.address
+        address = engine.backend.session_address
         context = multiprocessing.get_context("spawn")
         ports = context.Queue()
         child = context.Process(target=serve_grpc, args=(address, target, ports), daemon=True)

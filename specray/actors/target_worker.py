@@ -24,7 +24,6 @@ from specray.core import RequestState, TargetCore, eos_token_ids
 from specray.engine_core.coordinator import CoordinatorConfig
 from specray.engine_core.draft_streams import PoolCounters, StreamDraftPool
 from specray.engine_core.host import EngineCoreHost
-from specray.engine_core.sessions import EngineCoreServicer
 from specray.models.device import default_dtype, worker_device
 from specray.models.loading import load_model
 from specray.models.runner import ModelRunner
@@ -107,15 +106,12 @@ class TargetWorker:
             self.inbox = BlockInbox()
             self.pool = StreamDraftPool()
             self.engine_core: EngineCoreHost | None = None
-            self.sessions = EngineCoreServicer(lambda: self.engine_core)
-            # Plaintext and unauthenticated (an internal port): bound to the cluster network
-            # address only, never to every interface.
+            # Plaintext and unauthenticated (internal ports, the draft workers' and the front
+            # ends' sessions): bound to the cluster network address only, never to every
+            # interface.
+            self._bind_host = verifier_host or node_ip()
             self.verifier = VerifierServicer(self.inbox, self.vocab_size, self.pool)
-            self._server, self.address = start_server(
-                self.verifier,
-                host=verifier_host or node_ip(),
-                engine_core=self.sessions,
-            )
+            self._server, self.address = start_server(self.verifier, host=self._bind_host)
 
     # ---- the engine core (rank 0) --------------------------------------------------------
     def start_engine_core(
@@ -137,8 +133,9 @@ class TargetWorker:
             max_positions=max_positions,
             model_name=model_name,
             thread_init=mark_round_path_thread,
+            session_host=self._bind_host,
         )
-        return self.address
+        return self.engine_core.address
 
     def stop_engine_core(self, drain: bool = False) -> None:
         if self.engine_core is not None:
@@ -212,7 +209,7 @@ class TargetWorker:
                 "costs": copy.deepcopy(coordinator.costs),
                 "load": coordinator.load_signals(),
                 "pool": dict(self.pool.counters.__dict__),
-                "sessions": sum(session.batches_sent for session in self.sessions.sessions),
+                "sessions": sum(session.batches_sent for session in core.sessions.sessions),
                 "metrics": coordinator.metrics.render(),
                 "num_draft_workers": self.pool.num_live,
                 "ray_calls": dict(getattr(self, "ray_calls", {})),

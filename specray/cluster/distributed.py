@@ -233,7 +233,8 @@ class DistributedBackend:
         self.target_ranks = self.target_group.ranks
         self.target_info = self.target_group.info
         self.leader = self.target_group.leader
-        self.address = self.target_group.address
+        self.address = self.target_group.address  # the draft workers' (gRPC)
+        self.session_address: str | None = None  # the engine core's, once started
         self.drafts: list = []
         self.draft_restarts = 0
         self._lifelines: dict = {}  # a never-returning call per draft actor -> its index
@@ -285,7 +286,7 @@ class DistributedBackend:
         import ray
 
         with_drafts = with_drafts and (bool(self.drafts) or self.colocated)
-        address = ray.get(
+        self.session_address = address = ray.get(
             self.leader.start_engine_core.remote(
                 config,
                 with_drafts=with_drafts,

@@ -15,24 +15,21 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
-import grpc
-
 from specray.engine_core.client import Delivered, deliver, frontend_bytes
+from specray.engine_core.session_wire import frame, read_frame, split_address
 from specray.engine_core.streams import RequestStream
 from specray.errors import SpecrayError, UnavailableError, error_from_dict
 from specray.outputs import RequestOutput
-from specray.protocol import Delta, FrontendBatch, Submit, encode
-from specray.rpc.messages import grpc_options
+from specray.protocol import Delta, FrontendBatch, ProtocolError, Submit, encode
 from specray.sampling import SamplingParams
-from specray.v1 import speculation_pb2 as pb
-from specray.v1 import speculation_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-# Batches queued while the previous message was being written go out as one message, up to
-# this many bytes of their own encodings: the n choices of one call (submitted in one turn of
-# the loop) reach the engine core together, so it admits them to one round, whose forward
+# Batches queued in one turn of the loop go out as one frame, up to this many bytes of their
+# own encodings: the n choices of one call (submitted in one turn of the loop) reach the engine
+# core together, so it admits them to one round, whose forward
 # computes their shared prompt once (models/shared_rows.py).
 MERGE_BYTES = 4 * 1024 * 1024
+CONNECT_RETRY_S = 0.1
 
 
 class AsyncClientStream(RequestStream):
@@ -96,41 +93,60 @@ class AsyncEngineCoreClient:
         self._prefix = f"{uuid.uuid4().hex[:8]}-"
         self._ids = itertools.count()
         self._streams: dict[str, AsyncClientStream] = {}
-        self._outbox: asyncio.Queue = asyncio.Queue()
+        # This turn's messages, sent together at its end (:meth:`_flush`).
+        self._queued: list[tuple[FrontendBatch, bytes]] = []
+        self._writer: asyncio.StreamWriter | None = None
         self.closed: asyncio.Event | None = None
         self.batches_received = 0
 
     async def start(self, connect_timeout_s: float = 30.0) -> None:
+        """Connect, retrying for up to ``connect_timeout_s`` (an engine core starting up);
+        UnavailableError if none answers by then."""
+        loop = asyncio.get_running_loop()
+        host, port = split_address(self.address)
+        deadline = loop.time() + connect_timeout_s
+        while True:
+            try:
+                reader, self._writer = await asyncio.wait_for(
+                    asyncio.open_connection(host, port), max(deadline - loop.time(), 0.01)
+                )
+                break
+            except (TimeoutError, OSError) as error:
+                if loop.time() >= deadline:
+                    raise UnavailableError(
+                        f"no engine core answers at {self.address}: {error or 'timed out'}"
+                    ) from None
+                await asyncio.sleep(CONNECT_RETRY_S)
         self.closed = asyncio.Event()
-        self._channel = grpc.aio.insecure_channel(self.address, options=grpc_options())
-        await asyncio.wait_for(self._channel.channel_ready(), connect_timeout_s)
-        self._call = pb_grpc.EngineCoreStub(self._channel).Session(self._messages())
-        self._reader = asyncio.create_task(self._read(), name="engine-core-session")
+        self._reader = asyncio.create_task(self._read(reader), name="engine-core-session")
 
-    async def _messages(self):
-        """What is queued, as few messages as :data:`MERGE_BYTES` allows (in order: a
-        request's abort or finish never goes before its submission)."""
-        while (first := await self._outbox.get()) is not None:
-            queued, size, closing = [first], len(first[1]), False
-            while size < MERGE_BYTES and not self._outbox.empty():
-                item = self._outbox.get_nowait()
-                if item is None:
-                    closing = True
-                    break
-                queued.append(item)
-                size += len(item[1])
-            yield pb.FrontendMessage(payload=_merged(queued))
-            if closing:
-                return
+    def _queue(self, batch: FrontendBatch, payload: bytes) -> None:
+        if not self._queued:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._queued.append((batch, payload))
 
-    async def _read(self) -> None:
+    def _flush(self) -> None:
+        """Send what this turn queued, in as few frames as :data:`MERGE_BYTES` allows (in
+        order: a request's abort or finish never goes before its submission)."""
+        queued, self._queued = self._queued, []
+        if self._writer is None or self._writer.is_closing():
+            return  # the session ended: its requests failed already
+        while queued:
+            size, count = 0, 0
+            while count < len(queued) and (count == 0 or size < MERGE_BYTES):
+                size += len(queued[count][1])
+                count += 1
+            self._writer.write(frame(_merged(queued[:count])))
+            queued = queued[count:]
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
         error: SpecrayError = UnavailableError("the engine core closed the session")
         try:
-            async for message in self._call:
+            while (payload := await read_frame(reader)) is not None:
                 self.batches_received += 1
-                deliver(message.payload, self._streams)
-        except grpc.RpcError as failure:
-            error = UnavailableError(f"the engine core session failed: {failure.code().name}")
+                deliver(payload, self._streams)
+        except (OSError, ProtocolError) as failure:
+            error = UnavailableError(f"the engine core session failed: {failure}")
         except asyncio.CancelledError:
             pass
         finally:
@@ -180,7 +196,7 @@ class AsyncEngineCoreClient:
         payload = frontend_bytes(batch)  # checked alone: an invalid request fails alone
         stream = AsyncClientStream(request_id, prompt_token_ids, params, committed_token_ids)
         self._streams[request_id] = stream
-        self._outbox.put_nowait((batch, payload))
+        self._queue(batch, payload)
         await stream.admitted
         return stream
 
@@ -203,16 +219,19 @@ class AsyncEngineCoreClient:
         return stream.output
 
     def _send(self, batch: FrontendBatch) -> None:
-        self._outbox.put_nowait((batch, encode(batch)))
+        self._queue(batch, encode(batch))
 
     async def metrics_text(self) -> bytes:
         return await self._metrics_text() if self._metrics_text is not None else b""
 
     async def close(self) -> None:
-        self._outbox.put_nowait(None)
+        """End the session: the engine core aborts what is left of its requests."""
+        if self._writer is None:
+            return
+        self._flush()
+        self._writer.close()  # the engine core sees the end and closes its side
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._reader, 10)
-        await self._channel.close()
 
 
 def _merged(queued: Sequence[tuple[FrontendBatch, bytes]]) -> bytes:

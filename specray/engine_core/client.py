@@ -1,5 +1,6 @@
-"""A front end's side of an ``EngineCore.Session``: submit, abort, and per-request streams of
-committed tokens, from plain threads (the offline ``Engine``'s driver, benchmarks).
+"""A front end's side of an engine core session (:mod:`specray.engine_core.sessions`): submit,
+abort, and per-request streams of committed tokens, from plain threads (the offline
+``Engine``'s driver, benchmarks).
 
 Outputs are assembled here from the deltas: text is decoded here, not on the engine core.
 """
@@ -9,12 +10,17 @@ from __future__ import annotations
 import contextlib
 import itertools
 import queue
+import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 
-import grpc
-
+from specray.engine_core.session_wire import (
+    frame,
+    read_frame_blocking,
+    split_address,
+)
 from specray.engine_core.streams import StreamDelta
 from specray.errors import InvalidRequestError, SpecrayError, UnavailableError, error_from_dict
 from specray.outputs import RequestOutput, SpecDecodeMetrics
@@ -28,11 +34,9 @@ from specray.protocol import (
     decode,
     encode,
 )
-from specray.rpc.messages import MAX_REQUEST_ID_CHARS, grpc_options
+from specray.rpc.messages import MAX_REQUEST_ID_CHARS
 from specray.sampling import SamplingParams
 from specray.sampling.logprobs import TokenLogprob
-from specray.v1 import speculation_pb2 as pb
-from specray.v1 import speculation_pb2_grpc as pb_grpc
 
 _END = object()
 
@@ -190,6 +194,26 @@ class ClientStream:
         return self._output
 
 
+def _connect(address: str, timeout_s: float) -> socket.socket:
+    """A connection to the engine core at ``address``, retried for up to ``timeout_s`` (one
+    starting up); UnavailableError if none answers by then."""
+    host, port = split_address(address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock = socket.create_connection(
+                (host, port), timeout=max(deadline - time.monotonic(), 0.01)
+            )
+            break
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise UnavailableError(f"no engine core answers at {address}: {error}") from None
+            time.sleep(0.1)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame goes when written
+    return sock
+
+
 class EngineCoreClient:
     """One session with the engine core at ``address``."""
 
@@ -199,22 +223,20 @@ class EngineCoreClient:
         self._ids = itertools.count()
         self._streams: dict[str, ClientStream] = {}
         self._lock = threading.Lock()
-        self._channel = grpc.insecure_channel(address, options=grpc_options())
-        grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
-        self._outbox: queue.Queue = queue.Queue()
-        responses = pb_grpc.EngineCoreStub(self._channel).Session(iter(self._outbox.get, None))
+        self._socket = _connect(address, connect_timeout_s)
+        self._write_lock = threading.Lock()
         self.batches_received = 0
-        self._reader = threading.Thread(target=self._read, args=(responses,), daemon=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
-    def _read(self, responses) -> None:
+    def _read(self) -> None:
         error: SpecrayError = UnavailableError("the engine core closed the session")
         try:
-            for message in responses:
+            while (payload := read_frame_blocking(self._socket)) is not None:
                 self.batches_received += 1
-                deliver(message.payload, self._streams, self._lock)
-        except grpc.RpcError as failure:
-            error = UnavailableError(f"the engine core session failed: {failure.code().name}")
+                deliver(payload, self._streams, self._lock)
+        except (OSError, ProtocolError) as failure:
+            error = UnavailableError(f"the engine core session failed: {failure}")
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
@@ -245,7 +267,7 @@ class EngineCoreClient:
         with self._lock:
             for stream in streams:
                 self._streams[stream.request_id] = stream
-        self._outbox.put(pb.FrontendMessage(payload=payload))
+        self._write(payload)
         return streams
 
     def submit(
@@ -265,9 +287,15 @@ class EngineCoreClient:
         return [stream.result() for stream in self.submit_many(submits)]
 
     def abort(self, request_id: str) -> None:
-        self._outbox.put(pb.FrontendMessage(payload=encode(FrontendBatch(aborts=(request_id,)))))
+        self._write(encode(FrontendBatch(aborts=(request_id,))))
+
+    def _write(self, payload: bytes) -> None:
+        with self._write_lock, contextlib.suppress(OSError):  # ended: its streams failed
+            self._socket.sendall(frame(payload))
 
     def close(self) -> None:
-        self._outbox.put(None)
+        """End the session: the engine core aborts what is left of its requests."""
+        with self._write_lock, contextlib.suppress(OSError):
+            self._socket.shutdown(socket.SHUT_WR)  # the end of what this side sends
         self._reader.join(timeout=10)
-        self._channel.close()
+        self._socket.close()

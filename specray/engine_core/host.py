@@ -5,9 +5,9 @@ An asyncio loop on its own thread runs :class:`~specray.engine_core.coordinator.
 the target is this process's :class:`~specray.actors.target_worker.TargetWorker`, its rounds
 run one at a time on one thread (the GIL is released inside the forward, so the loop keeps
 serving front ends and draft workers meanwhile); the draft workers are the streams of
-:class:`~specray.engine_core.draft_streams.StreamDraftPool`; front ends are sessions
-(:mod:`specray.engine_core.sessions`). Ray places, starts, watches and replaces the processes;
-it is not on the per-round path.
+:class:`~specray.engine_core.draft_streams.StreamDraftPool`; front ends are sessions on a port
+of the loop's own (:mod:`specray.engine_core.sessions`). Ray places, starts, watches and
+replaces the processes; it is not on the per-round path.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from specray.engine_core.async_scheduling import OpenRound, started
 from specray.engine_core.coordinator import Coordinator, CoordinatorConfig
 from specray.engine_core.draft_streams import StreamDraftPool
+from specray.engine_core.sessions import SessionServer
 from specray.protocol import RoundReport, VerifyRound
 
 
@@ -111,9 +112,11 @@ class EngineCoreHost:
         max_positions: int | None,
         model_name: str = "default",
         thread_init: Callable[[], None] | None = None,
+        session_host: str = "127.0.0.1",
     ):
         """``thread_init`` runs first on the loop's and the target's threads (the worker marks
-        them as its own round path, :mod:`specray.actors.ray_calls`)."""
+        them as its own round path, :mod:`specray.actors.ray_calls`). Front ends connect to
+        ``address``, a free port on ``session_host``."""
         self._thread_init = thread_init
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="engine-core")
@@ -136,8 +139,12 @@ class EngineCoreHost:
             if self.pool is not None:
                 self.pool.bind(self.loop, coordinator.draft_worker_lost)
             await coordinator.start()
+            self.sessions = SessionServer(coordinator)
+            self.address = await self.sessions.start(session_host)
             return coordinator
 
+        self.sessions: SessionServer | None = None
+        self.address = ""
         self.coordinator = self.call(start())
         self.started_s = time.monotonic()
 
@@ -157,7 +164,10 @@ class EngineCoreHost:
     def stop(self, *, drain: bool = True) -> None:
         if not self.loop.is_running():
             return
+        # No new sessions; the ones open see their requests drain, then their connection close.
+        self.loop.call_soon_threadsafe(self.sessions.stop_accepting)
         self.call(self.coordinator.stop(drain=drain))
+        self.loop.call_soon_threadsafe(self.sessions.close_all)
         if self.pool is not None:
             self.pool.unbind()
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -1,4 +1,5 @@
-"""Front ends on the engine core: one long-lived ``EngineCore.Session`` stream each.
+"""Front ends on the engine core: one long-lived session each, a TCP connection
+(:mod:`specray.engine_core.session_wire`).
 
 A front end (the offline ``Engine``'s driver, a Serve ingress) sends
 :class:`~specray.protocol.FrontendBatch` messages (submissions, aborts) and receives at most
@@ -13,13 +14,9 @@ state freed)."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import queue
-import threading
 
-import grpc
-
+from specray.engine_core.session_wire import MAX_UNSENT_BYTES, frame, read_frame
 from specray.engine_core.streams import StreamDelta
 from specray.errors import SpecrayError, error_to_dict
 from specray.outputs import RequestOutput
@@ -34,11 +31,8 @@ from specray.protocol import (
     decode,
     encode,
 )
-from specray.v1 import speculation_pb2 as pb
-from specray.v1 import speculation_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-_CLOSED = object()
 # A request whose caller waits for the whole output (``Submit.stream`` False) reports its
 # progress this often: the tokens a resume on another group starts from.
 PROGRESS_INTERVAL_S = 0.25
@@ -80,29 +74,6 @@ class Session:
         self._progress: asyncio.TimerHandle | None = None
         self._report_due = False  # the progress timer fired: held tokens go with the next
         self.batches_sent = 0
-        # What the front end sent, in order, for one task on the loop to take: the reading
-        # thread hands each message over without waiting for the loop (a burst of messages
-        # is taken in one turn, not one thread-to-loop round trip each); None: it went away.
-        self._inbox: collections.deque[FrontendBatch | None] = collections.deque()
-        self._taker: asyncio.Task | None = None
-
-    def receive(self, batch: FrontendBatch | None) -> None:
-        """On the loop: queue a message from the front end (None: the front end went away,
-        after everything it sent)."""
-        self._inbox.append(batch)
-        if self._taker is None or self._taker.done():
-            self._taker = self.loop.create_task(self._take_all())
-
-    async def _take_all(self) -> None:
-        while self._inbox:
-            batch = self._inbox.popleft()
-            if batch is None:
-                self.close()
-                return
-            try:
-                await self.take(batch)
-            except Exception:  # a bad message must not strand the ones behind it
-                log.exception("taking a front end's message failed")
 
     async def take(self, batch: FrontendBatch) -> None:
         for submit in batch.submits:
@@ -208,40 +179,56 @@ class Session:
         self.requests.clear()
 
 
-class EngineCoreServicer(pb_grpc.EngineCoreServicer):
-    """The ``EngineCore`` gRPC service; ``host()`` is the running engine core (or None)."""
+class SessionServer:
+    """The engine core's listener (:mod:`specray.engine_core.session_wire`): a
+    :class:`Session` per front end's connection, read and written on the engine core's loop."""
 
-    def __init__(self, host):
-        self._host = host
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
         self.sessions: list[Session] = []
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
 
-    def Session(self, request_iterator, context):
-        host = self._host()
-        if host is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no engine core runs on this target group")
-        outbox: queue.Queue = queue.Queue()
-        session = Session(host.coordinator, host.loop, lambda payload: outbox.put(payload))
-        self.sessions.append(session)
+    async def start(self, host: str) -> str:
+        """Listen on a free port of ``host``; returns the address front ends connect to."""
+        self._server = await asyncio.start_server(self._serve, host, 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"{host}:{port}"
 
-        def read() -> None:
-            try:
-                for message in request_iterator:
-                    try:
-                        batch = decode(message.payload, FrontendBatch)
-                    except ProtocolError as error:  # another version: end the session, loudly
-                        log.error("closing a front-end session: %s", error)
-                        return
-                    host.loop.call_soon_threadsafe(session.receive, batch)
-            except grpc.RpcError:
-                pass  # the front end went away
-            finally:
-                host.loop.call_soon_threadsafe(session.receive, None)
-                outbox.put(_CLOSED)
+    def stop_accepting(self) -> None:
+        if self._server is not None:
+            self._server.close()
 
-        threading.Thread(target=read, name="frontend-session", daemon=True).start()
-        while True:
-            payload = outbox.get()
-            if payload is _CLOSED:
-                self.sessions.remove(session)
+    def close_all(self) -> None:
+        """End every session (its front end sees the connection close)."""
+        self.stop_accepting()
+        for writer in list(self._writers):
+            writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+
+        def send(payload: bytes) -> None:
+            if writer.is_closing():
                 return
-            yield pb.FrontendMessage(payload=payload)
+            if writer.transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
+                log.error("closing a front-end session: it has not read its last deltas")
+                writer.close()  # its reading below ends, and the session with it
+                return
+            writer.write(frame(payload))
+
+        session = Session(self.coordinator, loop, send)
+        self.sessions.append(session)
+        self._writers.add(writer)
+        try:
+            while (payload := await read_frame(reader)) is not None:
+                await session.take(decode(payload, FrontendBatch))
+        except ProtocolError as error:  # another version, or not a session: end it, loudly
+            log.error("closing a front-end session: %s", error)
+        except OSError:
+            pass  # the front end went away
+        finally:
+            session.close()
+            self.sessions.remove(session)
+            self._writers.discard(writer)
+            writer.close()

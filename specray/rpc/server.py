@@ -85,16 +85,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return pb.HealthResponse(status="SERVING", role="target", vocab_size=self.vocab_size)
 
 
-def start_server(
-    servicer: VerifierServicer, host: str = "127.0.0.1", port: int = 0, engine_core=None
-):
-    """Serve on ``host:port`` (0 = any free port), with the ``EngineCore`` service when given;
-    returns (server, bound address)."""
-    # A thread per stream (draft workers, front ends) plus unary calls.
+def start_server(servicer: VerifierServicer, host: str = "127.0.0.1", port: int = 0):
+    """Serve on ``host:port`` (0 = any free port); returns (server, bound address)."""
+    # A thread per stream (draft workers) plus unary calls.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=grpc_options())
     pb_grpc.add_VerifierServicer_to_server(servicer, server)
-    if engine_core is not None:
-        pb_grpc.add_EngineCoreServicer_to_server(engine_core, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     server.start()
     return server, f"{host}:{bound}"

@@ -115,7 +115,7 @@ class TargetWorkerDeployment:
                     self.args.draft, self.args.draft_probs_encoding
                 )
             # The round loop runs beside rank 0's forward: front ends open sessions on it.
-            await group.leader.start_engine_core.remote(
+            self.session_address = await group.leader.start_engine_core.remote(
                 config,
                 with_drafts=self.args.draft is not None,
                 max_positions=info.max_positions,
@@ -141,7 +141,11 @@ class TargetWorkerDeployment:
 
     async def _register(self) -> None:
         await self.registry.add_target.remote(
-            self.group_id, self.group.leader, self.group.address, self.group.info[0]
+            self.group_id,
+            self.group.leader,
+            self.group.address,
+            self.group.info[0],
+            self.session_address,
         )
 
     async def _renew(self) -> None:

@@ -1,9 +1,9 @@
 """The ingress's view of the target groups: one session with each group's engine core, the
 generation service over it, and resumption when a group fails.
 
-Each Ingress replica holds one ``EngineCore.Session`` per target group (found through the
+Each Ingress replica holds one session per target group's engine core (found through the
 registry) and runs :class:`specray.serve.service.CoordinatorService` over it, so a request's
-tokens cross one stream per round from the engine core to this process, batched with every
+tokens cross one connection per round from the engine core to this process, batched with every
 other request of the group, and text, stop strings and events are made here. A request goes to
 the group with the fewest requests of this replica in flight. If its group fails midway (the
 session closes: the engine core or a TP rank died and the group restarts), the request is

@@ -29,17 +29,22 @@ def registry_name(app_name: str) -> str:
 
 class Registry:
     def __init__(self):
-        self.targets: dict[str, dict] = {}  # group id -> {leader, address, info, claimed_by}
+        # group id -> {leader, address (draft workers'), session_address (front ends'), info,
+        # claimed_by}
+        self.targets: dict[str, dict] = {}
         self.claims: dict[str, float] = {}  # coordinator id -> last renewal (monotonic)
         self.drafts: dict[str, dict] = {}  # worker id -> {handle, group}
         self.metrics: dict[str, bytes] = {}  # coordinator id -> its latest exposition text
 
     # ---- target groups -------------------------------------------------------------
-    def add_target(self, group_id: str, leader, address: str, info: dict) -> None:
+    def add_target(
+        self, group_id: str, leader, address: str, info: dict, session_address: str
+    ) -> None:
         previous = self.targets.get(group_id, {})
         self.targets[group_id] = {
             "leader": leader,
             "address": address,
+            "session_address": session_address,
             "info": info,
             "claimed_by": previous.get("claimed_by"),
         }
@@ -121,7 +126,7 @@ class Registry:
     def endpoints(self) -> dict:
         """group id -> ``{leader, address}``: where front ends open their sessions."""
         return {
-            group_id: {"leader": target["leader"], "address": target["address"]}
+            group_id: {"leader": target["leader"], "address": target["session_address"]}
             for group_id, target in self.targets.items()
         }
 

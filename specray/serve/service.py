@@ -376,7 +376,7 @@ class LocalBackend(CoordinatorService):
                 )
                 drafts[-1].connect(worker.address)
             await loop.run_in_executor(None, worker.wait_for_drafts, len(drafts))
-        await loop.run_in_executor(
+        session_address = await loop.run_in_executor(
             None,
             lambda: worker.start_engine_core(
                 config,
@@ -390,7 +390,7 @@ class LocalBackend(CoordinatorService):
             return worker.engine_core.coordinator.metrics.render()
 
         session = AsyncEngineCoreClient(
-            worker.address,
+            session_address,
             vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids,
             num_speculative_tokens=config.num_speculative_tokens if draft else 0,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecray/v1/speculation.proto\x12\nspecray.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"}\n\nDraftProbs\x12\x10\n\x08\x65ncoding\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\"\n\x06values\x18\x03 \x01(\x0b\x32\x12.specray.v1.Tensor\x12%\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.specray.v1.Tensor\"\xa2\x01\n\nDraftBlock\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x15\n\rnum_committed\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12+\n\x0b\x64raft_probs\x18\x05 \x01(\x0b\x32\x16.specray.v1.DraftProbs\x12\x1b\n\x13num_target_features\x18\x06 \x01(\r\"\xb1\x01\n\x07Verdict\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x16\n\x0e\x64ropped_reason\x18\x05 \x01(\t\x12+\n\x0ftarget_features\x18\x06 \x01(\x0b\x32\x12.specray.v1.Tensor\x12\x16\n\x0e\x66\x65\x61tures_start\x18\x07 \x01(\r\"U\n\x07\x44raftUp\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.specray.v1.DraftBlock\x12\x0f\n\x07replies\x18\x03 \x03(\x0c\"C\n\tDraftDown\x12%\n\x08verdicts\x18\x01 \x03(\x0b\x32\x13.specray.v1.Verdict\x12\x0f\n\x07\x63ommand\x18\x02 \x01(\x0c\"\"\n\x0f\x46rontendMessage\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\x0f\n\rHealthRequest\"B\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x32\x87\x01\n\x08Verifier\x12:\n\x08\x45xchange\x12\x13.specray.v1.DraftUp\x1a\x15.specray.v1.DraftDown(\x01\x30\x01\x12?\n\x06Health\x12\x19.specray.v1.HealthRequest\x1a\x1a.specray.v1.HealthResponse2U\n\nEngineCore\x12G\n\x07Session\x12\x1b.specray.v1.FrontendMessage\x1a\x1b.specray.v1.FrontendMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecray/v1/speculation.proto\x12\nspecray.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"}\n\nDraftProbs\x12\x10\n\x08\x65ncoding\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\"\n\x06values\x18\x03 \x01(\x0b\x32\x12.specray.v1.Tensor\x12%\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.specray.v1.Tensor\"\xa2\x01\n\nDraftBlock\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x15\n\rnum_committed\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12+\n\x0b\x64raft_probs\x18\x05 \x01(\x0b\x32\x16.specray.v1.DraftProbs\x12\x1b\n\x13num_target_features\x18\x06 \x01(\r\"\xb1\x01\n\x07Verdict\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x16\n\x0e\x64ropped_reason\x18\x05 \x01(\t\x12+\n\x0ftarget_features\x18\x06 \x01(\x0b\x32\x12.specray.v1.Tensor\x12\x16\n\x0e\x66\x65\x61tures_start\x18\x07 \x01(\r\"U\n\x07\x44raftUp\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.specray.v1.DraftBlock\x12\x0f\n\x07replies\x18\x03 \x03(\x0c\"C\n\tDraftDown\x12%\n\x08verdicts\x18\x01 \x03(\x0b\x32\x13.specray.v1.Verdict\x12\x0f\n\x07\x63ommand\x18\x02 \x01(\x0c\"\x0f\n\rHealthRequest\"B\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x32\x87\x01\n\x08Verifier\x12:\n\x08\x45xchange\x12\x13.specray.v1.DraftUp\x1a\x15.specray.v1.DraftDown(\x01\x30\x01\x12?\n\x06Health\x12\x19.specray.v1.HealthRequest\x1a\x1a.specray.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,14 +43,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTUP']._serialized_end=655
   _globals['_DRAFTDOWN']._serialized_start=657
   _globals['_DRAFTDOWN']._serialized_end=724
-  _globals['_FRONTENDMESSAGE']._serialized_start=726
-  _globals['_FRONTENDMESSAGE']._serialized_end=760
-  _globals['_HEALTHREQUEST']._serialized_start=762
-  _globals['_HEALTHREQUEST']._serialized_end=777
-  _globals['_HEALTHRESPONSE']._serialized_start=779
-  _globals['_HEALTHRESPONSE']._serialized_end=845
-  _globals['_VERIFIER']._serialized_start=848
-  _globals['_VERIFIER']._serialized_end=983
-  _globals['_ENGINECORE']._serialized_start=985
-  _globals['_ENGINECORE']._serialized_end=1070
+  _globals['_HEALTHREQUEST']._serialized_start=726
+  _globals['_HEALTHREQUEST']._serialized_end=741
+  _globals['_HEALTHRESPONSE']._serialized_start=743
+  _globals['_HEALTHRESPONSE']._serialized_end=809
+  _globals['_VERIFIER']._serialized_start=812
+  _globals['_VERIFIER']._serialized_end=947
 # @@protoc_insertion_point(module_scope)

@@ -80,12 +80,6 @@ class DraftDown(_message.Message):
     command: bytes
     def __init__(self, verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., command: _Optional[bytes] = ...) -> None: ...
 
-class FrontendMessage(_message.Message):
-    __slots__ = ("payload",)
-    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
-    payload: bytes
-    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
-
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -34,8 +34,10 @@ def groups(cluster, target):
     backends = [DistributedBackend(target, None) for _ in range(2)]
     registry = ray.remote(Registry).options(num_cpus=0).remote()
     for index, backend in enumerate(backends):
-        backend.start_engine(CoordinatorConfig(num_speculative_tokens=0))
-        ray.get(registry.add_target.remote(f"g{index}", backend.leader, backend.address, {}))
+        sessions = backend.start_engine(CoordinatorConfig(num_speculative_tokens=0))
+        ray.get(
+            registry.add_target.remote(f"g{index}", backend.leader, backend.address, {}, sessions)
+        )
     yield backends, registry
     for backend in backends:
         backend.shutdown()
