@@ -139,7 +139,7 @@ def test_bytes_that_are_not_a_session_end_it_and_the_engine_core_stays_up(garbag
             # Another front end is served as before.
             reader, writer = await engine.connect()
             writer.write(frame(_submit("d", 3)))
-            tokens, ends = await _ends(reader, 1)
+            _, ends = await _ends(reader, 1)
             writer.close()
             return closed, ends
 
