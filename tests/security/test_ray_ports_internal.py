@@ -7,8 +7,9 @@ clients. Each check goes through the validator that guards it, with one control 
   configs and flags a public dashboard or a security group opening a Ray port.
 - Helm (``helm/specray``): ``specray.ops.chart.check_wiring`` passes the default render and
   flags a head Service that is not ClusterIP or a client Service that targets a Ray port.
-- The internal draft -> target gRPC port (plaintext, unauthenticated) of an in-process server
-  is not reachable on this machine's non-loopback address.
+- The internal draft -> target gRPC port and the engine core's session port (plaintext,
+  unauthenticated) of an in-process server are not reachable on this machine's non-loopback
+  address.
 """
 
 from __future__ import annotations
@@ -109,12 +110,16 @@ def _public_address() -> str | None:
     return None if address.startswith("127.") else address
 
 
-def test_the_internal_verifier_port_is_not_on_public_interfaces(local_backend):
+@pytest.mark.parametrize("port_of", ["verifier", "engine core sessions"])
+def test_the_internal_ports_are_not_on_public_interfaces(local_backend, port_of):
+    """The draft workers' gRPC port and the front ends' session port of the engine core."""
     address = _public_address()
     if address is None:
         pytest.skip("this machine has no non-loopback IPv4 address")
-    host, port = local_backend.workers[0].address.rsplit(":", 1)
+    worker = local_backend.workers[0]
+    internal = worker.address if port_of == "verifier" else worker.engine_core.address
+    host, port = internal.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5):
-        pass  # the draft workers' way in works
+        pass  # the way in from inside works
     with pytest.raises(OSError):
         socket.create_connection((address, int(port)), timeout=5).close()
