@@ -49,6 +49,7 @@ from specray.serve.openai_schema import (
     parse_detokenize,
     parse_tokenize,
 )
+from specray.serve.openai_structured import CONSTRAINT_FIELDS
 from specray.serve.protocol import GenerateRequest, GenerationBackend
 
 log = logging.getLogger(__name__)
@@ -309,8 +310,11 @@ def build_http_app(backend: GenerationBackend, *, auth_token: str | None = None)
 
     async def generate(request: Request, parse: Callable[..., ApiCall]) -> Response:
         body = await read_json(request)
-        # (off the loop: compiling a structured output's grammar may take a second or more)
-        call = await asyncio.to_thread(parse, body, (await model_info())["model"])
+        model = (await model_info())["model"]
+        if isinstance(body, dict) and not body.keys() & CONSTRAINT_FIELDS:
+            call = parse(body, model)  # nothing to compile: a thread's hop would cost more
+        else:  # off the loop: compiling a structured output's grammar may take a second or more
+            call = await asyncio.to_thread(parse, body, model)
         choices = Choices(backend, call.requests)
         if not call.stream:
             try:

@@ -41,6 +41,8 @@ GUIDED_FIELDS = {  # vLLM's older fields -> kind
     "guided_grammar": "grammar",
 }
 STRUCTURED_FIELDS = {"structured_outputs", *GUIDED_FIELDS}  # vLLM's, on both endpoints
+# The body fields that can make parsing compile a grammar (slow enough to leave the loop for).
+CONSTRAINT_FIELDS = frozenset({"response_format", "tools", "tool_choice", *STRUCTURED_FIELDS})
 TOOL_CHOICES = ("none", "auto", "required")  # and a named function: mode "named"
 TOOL_KEYS = ("type", "function")
 FUNCTION_KEYS = ("name", "description", "parameters", "strict")
