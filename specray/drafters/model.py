@@ -28,7 +28,7 @@ from specray.sampling import (
     stack_rows,
 )
 from specray.sampling.batch_pipeline import BatchLogitsPipeline
-from specray.sampling.encoding import POINT_MASS_ENCODING
+from specray.sampling.encoding import POINT_MASS_ENCODING, point_mass_rows
 from specray.sampling.rng import keyed_uniforms, seed_tensor
 
 
@@ -153,15 +153,24 @@ class ModelDrafter:
             profile.steps += 1
             stepping = [request for request in requests if request.request_id in logits]
             started = time.perf_counter()
-            rows = self._step_probs(stepping, logits, proposals)  # [n, vocab] q per request
+            rows, greedy_ids = self._step_probs(stepping, logits, proposals)  # [n, vocab] q
             piped = time.perf_counter()
-            if self.keep_encoded:  # sample from exactly what is sent: decode(encode(q))
-                sent = self._encode_step(stepping, rows)
-                for request, row in zip(stepping, sent, strict=True):
-                    encoded[request.request_id].append(row)
-                # decoded row by row, as the receiver decodes them; one copy back
-                rows = torch.cat([decode_draft_probs(row) for row in sent]).to(rows.device)
-            tokens = self._sample(stepping, rows, step)
+            if greedy_ids is not None:
+                # Every q is one-hot: its token is the argmax (what a draw from it gives), its
+                # wire form that id; no vocabulary row is encoded, decoded or searched.
+                tokens = greedy_ids.tolist()
+                if self.keep_encoded:
+                    sent = point_mass_rows(tokens, self.vocab_size)
+                    for request, row in zip(stepping, sent, strict=True):
+                        encoded[request.request_id].append(row)
+            else:
+                if self.keep_encoded:  # sample from exactly what is sent: decode(encode(q))
+                    sent = self._encode_step(stepping, rows)
+                    for request, row in zip(stepping, sent, strict=True):
+                        encoded[request.request_id].append(row)
+                    # decoded row by row, as the receiver decodes them; one copy back
+                    rows = torch.cat([decode_draft_probs(row) for row in sent]).to(rows.device)
+                tokens = self._sample(stepping, rows, step)
             for index, request in enumerate(stepping):
                 self._cached[request.request_id].extend(feeds[request.request_id])
                 proposals[request.request_id].append(tokens[index])
@@ -178,10 +187,11 @@ class ModelDrafter:
             for r in requests
         ]
 
-    def _step_probs(self, requests, logits, proposals) -> torch.Tensor:
+    def _step_probs(self, requests, logits, proposals) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every request's q for this step in one logits pass, ``[n, vocab]`` float32 (a fresh
         tensor: its rows are kept): row i's history is request i's committed output plus its
-        drafts so far; a greedy request's q is the one-hot at its argmax."""
+        drafts so far; a greedy request's q is the one-hot at its argmax. With it, when every
+        request is greedy, their argmax ids ``[n]`` (else None)."""
         histories = [[*r.output_token_ids, *proposals[r.request_id]] for r in requests]
         rows = self._batch_pipeline(
             [r.pipeline for r in requests],
@@ -190,12 +200,13 @@ class ModelDrafter:
             [()] * len(requests),
         )
         out = torch.zeros(len(requests), self.vocab_size, device=rows[0].device)  # [n, vocab]
-        for index, (request, row) in enumerate(zip(requests, rows, strict=True)):
-            if request.pipeline.params.greedy:  # argmax id [1]: q is one-hot there
+        greedy = [request.pipeline.params.greedy for request in requests]
+        for index, (is_greedy, row) in enumerate(zip(greedy, rows, strict=True)):
+            if is_greedy:  # argmax id [1]: q is one-hot there
                 out[index].scatter_(0, row, 1.0)
             else:
                 out[index] = row[0]
-        return out
+        return out, (torch.cat(rows) if all(greedy) else None)
 
     def _encode_step(self, requests, rows: torch.Tensor) -> list[EncodedDraftProbs]:
         """Each request's q of this step in wire form, one message a row: a greedy request's

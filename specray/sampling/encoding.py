@@ -130,6 +130,20 @@ class EncodedDraftProbs:
         )
 
 
+def point_mass_rows(token_ids: list[int], vocab_size: int) -> list[EncodedDraftProbs]:
+    """One-hot q at each of ``token_ids``, one ``top1`` row each: what
+    :func:`encode_draft_probs` makes of those one-hot rows, byte for byte, without them."""
+    return [
+        EncodedDraftProbs(
+            POINT_MASS_ENCODING.name,
+            vocab_size,
+            WireTensor.from_tensor(torch.ones(1, 1, dtype=torch.float32)),
+            WireTensor.from_tensor(torch.tensor([[token_id]], dtype=torch.int32)),
+        )
+        for token_id in token_ids
+    ]
+
+
 def _point_mass_as(row: EncodedDraftProbs, like: EncodedDraftProbs) -> EncodedDraftProbs:
     """A one-row point mass (``top1``) in ``like``'s encoding, decoding to the same one-hot q:
     a sparse row gets zero weights on other ids, a dense row is the one-hot vector."""

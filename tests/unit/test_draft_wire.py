@@ -13,6 +13,7 @@ from specray.sampling import (
     SamplingParams,
     decode_draft_probs,
 )
+from specray.sampling.encoding import POINT_MASS_ENCODING, encode_draft_probs, point_mass_rows
 from tests.helpers.tiny_models import tiny_llama
 
 VOCAB = 40
@@ -60,3 +61,38 @@ def test_the_wire_form_changes_no_draft():
     # a dense row is renormalised after decoding (float rounding), too little to move a draw
     assert sampled.token_ids == sampled_kept.token_ids
     torch.testing.assert_close(sampled.draft_probs, sampled_kept.draft_probs)
+
+
+def test_an_all_greedy_step_sends_the_point_masses_encoding_would():
+    """A step whose requests are all greedy takes its tokens from the argmax ids and sends them
+    as point masses directly: the same tokens, q and bytes as a step that also samples (where
+    each greedy row is encoded, decoded and drawn from), and the bytes encode_draft_probs
+    gives for those one-hot rows."""
+
+    def greedy(name, prompt):
+        params = SamplingParams(temperature=0.0)
+        return DraftRequest(
+            name, prompt, [], LogitsPipeline(params, VOCAB), KeyedRandom(5), num_tokens=3
+        )
+
+    def propose(requests):
+        torch.manual_seed(0)
+        drafter = ModelDrafter(
+            ModelRunner(tiny_llama(VOCAB, 0)), DraftProbsEncoding.parse("fp32"), keep_encoded=True
+        )
+        return drafter.propose(requests)
+
+    alone, other = propose([greedy("a", [3, 7, 1, 9]), greedy("b", [5, 2, 8])])
+    beside_sampled = propose([greedy("a", [3, 7, 1, 9]), _requests(VOCAB)[1]])[0]
+    assert alone.token_ids == beside_sampled.token_ids
+    assert torch.equal(alone.draft_probs, beside_sampled.draft_probs)
+    assert alone.encoded == beside_sampled.encoded
+    for block in (alone, other):
+        one_hot = torch.zeros(3, VOCAB)
+        one_hot[torch.arange(3), torch.tensor(block.token_ids)] = 1.0
+        assert torch.equal(block.draft_probs, one_hot)
+        expected = encode_draft_probs(one_hot, POINT_MASS_ENCODING)
+        assert block.encoded == expected
+    assert point_mass_rows([4, 0], VOCAB)[1] == encode_draft_probs(
+        torch.eye(VOCAB)[:1], POINT_MASS_ENCODING
+    )
