@@ -159,18 +159,15 @@ class ModelDrafter:
                 # Every q is one-hot: its token is the argmax (what a draw from it gives), its
                 # wire form that id; no vocabulary row is encoded, decoded or searched.
                 tokens = greedy_ids.tolist()
-                if self.keep_encoded:
-                    sent = point_mass_rows(tokens, self.vocab_size)
-                    for request, row in zip(stepping, sent, strict=True):
-                        encoded[request.request_id].append(row)
-            else:
-                if self.keep_encoded:  # sample from exactly what is sent: decode(encode(q))
-                    sent = self._encode_step(stepping, rows)
-                    for request, row in zip(stepping, sent, strict=True):
-                        encoded[request.request_id].append(row)
-                    # decoded row by row, as the receiver decodes them; one copy back
+                sent = point_mass_rows(tokens, self.vocab_size) if self.keep_encoded else None
+            else:  # sample from exactly what is sent: decode(encode(q))
+                sent = self._encode_step(stepping, rows) if self.keep_encoded else None
+                if sent is not None:  # decoded row by row, as the receiver does; one copy back
                     rows = torch.cat([decode_draft_probs(row) for row in sent]).to(rows.device)
                 tokens = self._sample(stepping, rows, step)
+            if sent is not None:
+                for request, row in zip(stepping, sent, strict=True):
+                    encoded[request.request_id].append(row)
             for index, request in enumerate(stepping):
                 self._cached[request.request_id].extend(feeds[request.request_id])
                 proposals[request.request_id].append(tokens[index])

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
 from specray.engine_core.client import Delivered, deliver, frontend_bytes
-from specray.engine_core.session_wire import frame, read_frame, split_address
+from specray.engine_core.session_wire import connect, frame, read_frame
 from specray.engine_core.streams import RequestStream
 from specray.errors import SpecrayError, UnavailableError, error_from_dict
 from specray.outputs import RequestOutput
@@ -26,10 +26,9 @@ from specray.sampling import SamplingParams
 log = logging.getLogger(__name__)
 # Batches queued in one turn of the loop go out as one frame, up to this many bytes of their
 # own encodings: the n choices of one call (submitted in one turn of the loop) reach the engine
-# core together, so it admits them to one round, whose forward
-# computes their shared prompt once (models/shared_rows.py).
+# core together, so it admits them to one round, whose forward computes their shared prompt
+# once (models/shared_rows.py).
 MERGE_BYTES = 4 * 1024 * 1024
-CONNECT_RETRY_S = 0.1
 
 
 class AsyncClientStream(RequestStream):
@@ -102,21 +101,7 @@ class AsyncEngineCoreClient:
     async def start(self, connect_timeout_s: float = 30.0) -> None:
         """Connect, retrying for up to ``connect_timeout_s`` (an engine core starting up);
         UnavailableError if none answers by then."""
-        loop = asyncio.get_running_loop()
-        host, port = split_address(self.address)
-        deadline = loop.time() + connect_timeout_s
-        while True:
-            try:
-                reader, self._writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, port), max(deadline - loop.time(), 0.01)
-                )
-                break
-            except (TimeoutError, OSError) as error:
-                if loop.time() >= deadline:
-                    raise UnavailableError(
-                        f"no engine core answers at {self.address}: {error or 'timed out'}"
-                    ) from None
-                await asyncio.sleep(CONNECT_RETRY_S)
+        reader, self._writer = await connect(self.address, connect_timeout_s)
         self.closed = asyncio.Event()
         self._reader = asyncio.create_task(self._read(reader), name="engine-core-session")
 

@@ -12,15 +12,10 @@ import itertools
 import queue
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Iterator, Sequence
 
-from specray.engine_core.session_wire import (
-    frame,
-    read_frame_blocking,
-    split_address,
-)
+from specray.engine_core.session_wire import connect_blocking, frame, read_frame_blocking
 from specray.engine_core.streams import StreamDelta
 from specray.errors import InvalidRequestError, SpecrayError, UnavailableError, error_from_dict
 from specray.outputs import RequestOutput, SpecDecodeMetrics
@@ -194,26 +189,6 @@ class ClientStream:
         return self._output
 
 
-def _connect(address: str, timeout_s: float) -> socket.socket:
-    """A connection to the engine core at ``address``, retried for up to ``timeout_s`` (one
-    starting up); UnavailableError if none answers by then."""
-    host, port = split_address(address)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            sock = socket.create_connection(
-                (host, port), timeout=max(deadline - time.monotonic(), 0.01)
-            )
-            break
-        except OSError as error:
-            if time.monotonic() >= deadline:
-                raise UnavailableError(f"no engine core answers at {address}: {error}") from None
-            time.sleep(0.1)
-    sock.settimeout(None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame goes when written
-    return sock
-
-
 class EngineCoreClient:
     """One session with the engine core at ``address``."""
 
@@ -223,7 +198,7 @@ class EngineCoreClient:
         self._ids = itertools.count()
         self._streams: dict[str, ClientStream] = {}
         self._lock = threading.Lock()
-        self._socket = _connect(address, connect_timeout_s)
+        self._socket = connect_blocking(address, connect_timeout_s)
         self._write_lock = threading.Lock()
         self.batches_received = 0
         self._reader = threading.Thread(target=self._read, daemon=True)

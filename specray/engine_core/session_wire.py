@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
 
+from specray.errors import UnavailableError
 from specray.protocol import ProtocolError
 from specray.rpc.messages import MAX_MESSAGE_BYTES
 
@@ -27,6 +29,7 @@ _HEADER = struct.Struct("!I")
 # A front end that stops reading its deltas is cut off once this much waits to be sent to it,
 # rather than growing the engine core's memory without bound.
 MAX_UNSENT_BYTES = 2 * MAX_FRAME_BYTES
+CONNECT_RETRY_S = 0.1  # between attempts to reach an engine core that is starting up
 
 
 def frame(payload: bytes) -> bytes:
@@ -76,10 +79,52 @@ def _receive(sock: socket.socket, size: int) -> bytes | None:
         count = sock.recv_into(view[got:])
         if count == 0:
             if got:
-                raise ConnectionError("the session ended inside a frame header")
+                raise ConnectionError("the session ended inside a frame")
             return None
         got += count
     return bytes(buffer)
+
+
+def connect_blocking(address: str, timeout_s: float) -> socket.socket:
+    """A connection to the engine core at ``address`` for a blocking client, retried for up
+    to ``timeout_s`` (one starting up); UnavailableError if none answers by then."""
+    host, port = split_address(address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock = socket.create_connection(
+                (host, port), timeout=max(deadline - time.monotonic(), 0.01)
+            )
+            break
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise _unanswered(address, error) from None
+            time.sleep(CONNECT_RETRY_S)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame goes when written
+    return sock
+
+
+async def connect(
+    address: str, timeout_s: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """:func:`connect_blocking` for asyncio (asyncio's TCP streams set TCP_NODELAY)."""
+    loop = asyncio.get_running_loop()
+    host, port = split_address(address)
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            return await asyncio.wait_for(
+                asyncio.open_connection(host, port), max(deadline - loop.time(), 0.01)
+            )
+        except (TimeoutError, OSError) as error:
+            if loop.time() >= deadline:
+                raise _unanswered(address, error) from None
+            await asyncio.sleep(CONNECT_RETRY_S)
+
+
+def _unanswered(address: str, error: BaseException) -> UnavailableError:
+    return UnavailableError(f"no engine core answers at {address}: {error or 'timed out'}")
 
 
 def split_address(address: str) -> tuple[str, int]:
