@@ -48,7 +48,8 @@ class AsyncClient:
             client_cert=client_cert, client_key=client_key, server_name=server_name,
             retry=retry, max_message_bytes=max_message_bytes,
         )  # fmt: skip
-        self.generate_retries = 0  # Generate calls retried before their first chunk
+        self.generate_retries = 0  # generation calls retried before any output reached us
+        self._without_complete = False  # the server answered Complete with UNIMPLEMENTED
         self._channel: grpc.aio.Channel | None = None
 
     def _stubs(self):
@@ -123,13 +124,35 @@ class AsyncClient:
         metadata: Metadata | None = None,
         **sampling,
     ) -> Completion:
-        """The whole generation: one Final message (``final_only``), no Delta per round."""
+        """The whole generation, by the unary ``Complete`` call (a server from before it:
+        ``Generate`` with ``final_only``). Retried on UNAVAILABLE: no output reached the
+        caller before the call ended."""
         request = build_request(prompt, messages, prompt_token_ids, sampling)
+        call_metadata = self.config.call_metadata(metadata)
+        if not self._without_complete:
+            stub, _ = self._stubs()
+            try:
+                final = await call_with_retries_async(
+                    lambda timeout_s: stub.Complete(
+                        request, timeout=timeout_s, metadata=call_metadata
+                    ),
+                    self.config.retry,
+                    timeout,
+                    on_retry=self._count_retry,
+                )
+                return Completion.from_proto(final)
+            except SpecrayClientError as error:
+                if error.code != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self._without_complete = True
         request.final_only = True
         completion = None
-        async for chunk in self._chunks(request, timeout, self.config.call_metadata(metadata)):
+        async for chunk in self._chunks(request, timeout, call_metadata):
             completion = chunk.completion or completion
         return completion  # the stream raised if it ended without one
+
+    def _count_retry(self) -> None:
+        self.generate_retries += 1
 
     # ---- unary calls (retried on UNAVAILABLE) ---------------------------------------------
     async def _unary(self, method, request, timeout, metadata):

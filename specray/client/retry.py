@@ -83,10 +83,14 @@ class Deadline:
 
 
 def call_with_retries(
-    call: Callable[[float | None], T], policy: RetryPolicy, timeout_s: float | None
+    call: Callable[[float | None], T],
+    policy: RetryPolicy,
+    timeout_s: float | None,
+    on_retry: Callable[[], None] | None = None,
 ) -> T:
     """``call(timeout_s)`` until it succeeds or fails for good; ``timeout_s`` bounds the whole,
-    retries and delays included. Raises :class:`SpecrayClientError`."""
+    retries and delays included; ``on_retry()`` before each retry. Raises
+    :class:`SpecrayClientError`."""
     deadline = Deadline(timeout_s)
     retry = 0
     while True:
@@ -101,12 +105,17 @@ def call_with_retries(
             )
             if delay_s is None:
                 raise SpecrayClientError.from_rpc_error(error) from error
+        if on_retry is not None:
+            on_retry()
         time.sleep(delay_s)
         retry += 1
 
 
 async def call_with_retries_async(
-    call: Callable[[float | None], Awaitable[T]], policy: RetryPolicy, timeout_s: float | None
+    call: Callable[[float | None], Awaitable[T]],
+    policy: RetryPolicy,
+    timeout_s: float | None,
+    on_retry: Callable[[], None] | None = None,
 ) -> T:
     """:func:`call_with_retries` for coroutines."""
     deadline = Deadline(timeout_s)
@@ -123,5 +132,7 @@ async def call_with_retries_async(
             )
             if delay_s is None:
                 raise SpecrayClientError.from_rpc_error(error) from error
+        if on_retry is not None:
+            on_retry()
         await asyncio.sleep(delay_s)
         retry += 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,6 +54,7 @@ class RequestStream:
         self._error: SpecrayError | None = None
         self._done = asyncio.Event()
         self._sink: StreamSink | None = None
+        self._drained = False  # the final delta or an error was taken by ``async for``
 
     def attach(self, sink: StreamSink) -> None:
         """Send this request's events to ``sink`` from now on (those queued first)."""
@@ -94,17 +94,21 @@ class RequestStream:
             raise item
         return item
 
-    def __aiter__(self) -> AsyncIterator[StreamDelta]:
-        return self._iterate()
+    # An iterator object rather than an async generator: a consumer that stops at the final
+    # delta would leave a generator suspended, which the loop then closes in a task of its
+    # own (a wake-up from the garbage collector's thread-safe hook), once per request.
+    def __aiter__(self) -> RequestStream:
+        return self
 
-    async def _iterate(self):
-        while True:
-            item = await self._queue.get()
-            if isinstance(item, SpecrayError):
-                raise item
-            yield item
-            if item.output is not None:
-                return
+    async def __anext__(self) -> StreamDelta:
+        if self._drained:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, SpecrayError):
+            self._drained = True
+            raise item
+        self._drained = item.output is not None
+        return item
 
     async def result(self) -> RequestOutput:
         await self._done.wait()

@@ -63,9 +63,12 @@ _OPTIONAL_PARAMS = (
 
 
 # ---- protobuf <-> protocol ------------------------------------------------------------------
-def request_from_proto(message: pb.GenerateRequest, *, timeout_s: float | None) -> GenerateRequest:
+def request_from_proto(
+    message: pb.GenerateRequest, *, timeout_s: float | None, final_only: bool = False
+) -> GenerateRequest:
     """The backend's request; wire-level problems (no prompt, an empty one, negative token ids)
-    are rejected here, the rest by :class:`GenerateRequest` and the backend."""
+    are rejected here, the rest by :class:`GenerateRequest` and the backend. ``final_only``:
+    the caller takes the whole output only, whatever the message says (``Complete``)."""
     prompt = prompt_token_ids = messages = None
     which = message.WhichOneof("prompt")
     if which is None:
@@ -116,7 +119,7 @@ def request_from_proto(message: pb.GenerateRequest, *, timeout_s: float | None) 
         speculation=message.speculation or "auto",
         request_id=message.request_id or None,
         timeout_s=timeout_s,
-        stream=not message.final_only,
+        stream=not (final_only or message.final_only),
     )
 
 
@@ -148,6 +151,11 @@ def response_from_event(event: dict) -> pb.GenerateResponse:
         return pb.GenerateResponse(delta=delta)
     if kind != "final":
         raise ValueError(f"unknown event kind {kind!r}")
+    return pb.GenerateResponse(final=final_from_event(event))
+
+
+def final_from_event(event: dict) -> pb.Final:
+    """A backend's final event as the ``Final`` message."""
     spec = event.get("speculative_decoding") or {}
     per_position = spec.get("num_accepted_tokens_per_pos", spec.get("accepted_per_position", ()))
     final = pb.Final(
@@ -172,7 +180,7 @@ def response_from_event(event: dict) -> pb.GenerateResponse:
     for name in ("time_to_first_token_s", "latency_s"):
         if event.get(name) is not None:
             setattr(final, name, event[name])
-    return pb.GenerateResponse(final=final)
+    return final
 
 
 def model_info_to_proto(info: dict) -> pb.ModelInfo:
@@ -232,6 +240,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             failure = _internal("Generate")
         finally:
             # Cancelled, past the deadline, or failed: closing the events aborts the request.
+            if events is not None and hasattr(events, "aclose"):
+                await events.aclose()
+        await _abort(context, failure)
+
+    async def Complete(self, request: pb.GenerateRequest, context) -> pb.Final:
+        events: AsyncIterator[dict] | None = None
+        try:
+            generate_request = request_from_proto(
+                request, timeout_s=_time_remaining_s(context), final_only=True
+            )
+            events = self._backend.generate(generate_request)
+            async for event in events:
+                if event.get("kind") == "final":
+                    return final_from_event(event)
+            logger.error("Complete: the backend's events ended without the final one")
+            failure = SpecrayError("internal error")
+        except SpecrayError as error:
+            failure = error
+        except Exception:
+            failure = _internal("Complete")
+        finally:
             if events is not None and hasattr(events, "aclose"):
                 await events.aclose()
         await _abort(context, failure)

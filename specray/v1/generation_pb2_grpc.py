@@ -39,6 +39,11 @@ class GenerationStub:
                 request_serializer=specray_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specray_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Complete = channel.unary_unary(
+                '/specray.v1.Generation/Complete',
+                request_serializer=specray_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=specray_dot_v1_dot_generation__pb2.Final.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/specray.v1.Generation/GetModelInfo',
                 request_serializer=specray_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
@@ -57,6 +62,15 @@ class GenerationServicer:
     def Generate(self, request, context):
         """One request: Delta messages as tokens are committed, then exactly one Final.
         Not idempotent once a Delta was sent: clients must not retry it blindly.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Complete(self, request, context):
+        """One request's whole output as one Final (what Generate with final_only sends, as a unary
+        call: one message each way, no stream to end). The client library's generate() uses it.
+        Not idempotent for sampled requests without a seed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,6 +96,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=specray_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=specray_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Complete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Complete,
+                    request_deserializer=specray_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=specray_dot_v1_dot_generation__pb2.Final.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -121,6 +140,33 @@ class Generation:
             '/specray.v1.Generation/Generate',
             specray_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             specray_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Complete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specray.v1.Generation/Complete',
+            specray_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            specray_dot_v1_dot_generation__pb2.Final.FromString,
             options,
             channel_credentials,
             insecure,

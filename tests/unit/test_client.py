@@ -150,6 +150,49 @@ def test_generate_is_retried_only_before_its_first_chunk(flaky):
     assert asyncio.run(generate(True)) == 0
 
 
+class CompletingServicer(FlakyServicer):
+    """FlakyServicer with ``Complete``: UNAVAILABLE ``failures`` times, then a Final."""
+
+    def Complete(self, request, context):
+        self.calls["Complete"] += 1
+        if self.calls["Complete"] <= self.failures:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+        return pb.Final(request_id="r", text="ok", token_ids=[5], finish_reason="length")
+
+
+def test_generate_calls_complete_and_retries_it_on_unavailable(flaky):
+    servicer = CompletingServicer(failures=2)
+    with Client(flaky(servicer), retry=FAST) as client:
+        assert client.generate(prompt="hi").text == "ok"
+        assert client.generate_retries == 2
+    assert servicer.calls == Counter(Complete=3)  # the stream was not used
+
+    async def generate() -> tuple[str, int]:
+        async with AsyncClient(flaky(CompletingServicer(failures=1)), retry=FAST) as client:
+            return (await client.generate(prompt="hi")).text, client.generate_retries
+
+    assert asyncio.run(generate()) == ("ok", 1)
+
+
+class ServicerWithoutComplete(FlakyServicer):
+    """A server from before ``Complete``: the status gRPC answers for an unknown method."""
+
+    def Complete(self, request, context):
+        self.calls["Complete"] += 1
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+
+def test_generate_falls_back_to_the_stream_on_a_server_without_complete(flaky):
+    servicer = ServicerWithoutComplete(failures=0, delta_first=True)
+    with Client(flaky(servicer), retry=FAST, max_retries=0) as client:
+        for _ in range(2):
+            with pytest.raises(SpecrayClientError) as caught:
+                client.generate(prompt="hi")
+            assert caught.value.code == grpc.StatusCode.UNAVAILABLE  # Generate's own failure
+    # Complete was refused once; from then on the client went straight to the stream.
+    assert servicer.calls == Counter(Complete=1, Generate=2)
+
+
 def test_the_timeout_bounds_retries_and_their_delays(flaky):
     servicer = FlakyServicer(failures=100)
     slow = RetryPolicy(max_retries=50, initial_backoff_s=0.2, max_backoff_s=0.2, jitter=0)

@@ -24,6 +24,7 @@ from specray.serve.grpc_api import (
     start_grpc_server,
 )
 from specray.v1 import generation_pb2 as pb
+from specray.v1 import generation_pb2_grpc
 
 
 def test_unset_fields_are_the_sampling_defaults():
@@ -211,6 +212,24 @@ def test_errors_map_to_their_status_and_never_leak_internals(scripted):
     assert backend.requests[-1].timeout_s is None  # no deadline, none passed on
 
 
+def test_complete_answers_with_the_final_alone_and_closes_the_events(scripted):
+    backend, target, _ = scripted
+    with grpc.insecure_channel(target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        final = stub.Complete(pb.GenerateRequest(text="x"), timeout=5)
+        assert (final.text, list(final.token_ids), final.finish_reason) == ("ab", [1, 2], "length")
+        assert backend.requests[-1].stream is False  # whole output only: no per-round deltas
+        assert backend.closed == 1
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Complete(pb.GenerateRequest(text=""), timeout=5)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details() == "prompt must not be empty, got ''"
+        backend.fail_with = OverloadedError("the queue is full (256 waiting)")
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Complete(pb.GenerateRequest(text="x"), timeout=5)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def test_health_follows_the_backend(scripted):
     backend, target, _ = scripted
     with Client(target) as client, grpc.insecure_channel(target) as channel:
@@ -230,7 +249,8 @@ def test_health_follows_the_backend(scripted):
 def test_bearer_token_guards_streaming_and_unary_calls(scripted):
     _, _, target = scripted
     with Client(target, max_retries=0) as client:
-        for call in (lambda: client.generate("x"), lambda: client.abort("r")):
+        calls = (lambda: client.generate("x"), lambda: list(client.stream("x")))
+        for call in (*calls, lambda: client.abort("r")):
             with pytest.raises(SpecrayClientError) as caught:
                 call()
             assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
