@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from importlib import resources
 
@@ -83,10 +83,16 @@ def _log(message: str) -> None:
 
 def acceptance_from_mean_length(mean_length: float, k: int) -> float:
     """Per-position acceptance α with (1 - α^(k+1)) / (1 - α) = mean_length (bisection)."""
+    return acceptance_from_mix(mean_length, {k: 1.0})
+
+
+def acceptance_from_mix(mean_length: float, weights: Mapping[int, float]) -> float:
+    """α with sum_k w_k (1 - α^(k+1)) / (1 - α) = mean_length, for rounds whose block lengths
+    k come in shares ``weights`` summing to 1 (bisection)."""
     low, high = 0.0, 1.0
     for _ in range(60):
         alpha = (low + high) / 2
-        expected = sum(alpha**i for i in range(k + 1))
+        expected = sum(w * sum(alpha**i for i in range(k + 1)) for k, w in weights.items())
         low, high = (alpha, high) if expected < mean_length else (low, alpha)
     return (low + high) / 2
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 
 from specray.bench.clients import run_clients
-from specray.bench.main import acceptance_from_mean_length, load_prompts
+from specray.bench.main import acceptance_from_mix, load_prompts
 from specray.cluster.placement import PlacementConfig, check_draft_placement
 from specray.engine_core.client import EngineCoreClient
 from specray.engine_core.coordinator_config import (
@@ -160,6 +160,7 @@ def _run_mode(backend, info, mode, config, concurrency, prompts, params, calibra
         "mean_k": mean_k,
         "speculated_fraction": metrics.num_drafts / max(metrics.num_target_steps, 1),
         "reused_tokens": stats.reused_tokens,
+        "verdicts_by_k": list(stats.verdicts_by_k),
         "bytes_per_token": stats.draft_bytes / max(tokens, 1),
         "draft_step_s": costs.draft.seconds(1),
         # Observed / calibrated seconds over the run: calibration times each worker alone,
@@ -187,38 +188,58 @@ def _run_mode(backend, info, mode, config, concurrency, prompts, params, calibra
 
 @dataclass(frozen=True)
 class _BoundTerms:
-    """A concurrency-1 row in the performance model's terms (docs/design.md section 5)."""
+    """A concurrency-1 row in the performance model's terms (docs/design.md section 5), one
+    entry per block length K the row's rounds used (its verdicts by K; a row without them: its
+    mean K, rounded)."""
 
-    k: int  # the row's mean K, rounded
-    alpha: float  # per-position acceptance giving the row's mean acceptance length at k
-    expected: float  # E: tokens committed per target call
-    verify: float  # V = verify(K+1)/T + r/T, in target steps
-    draft: float  # D = K·c, in target steps
+    weights: tuple[float, ...]  # share of the row's draft rounds at each K
+    ks: tuple[int, ...]
+    alpha: float  # per-position acceptance giving the row's mean acceptance length over its Ks
+    expected: tuple[float, ...]  # E_K: tokens committed per target call at K
+    verify: tuple[float, ...]  # V_K = verify(K+1)/T + r/T, in target steps
+    draft: tuple[float, ...]  # D_K = K·c, in target steps
+
+    def mean(self, per_k) -> float:
+        return sum(w * value for w, value in zip(self.weights, per_k, strict=True))
+
+
+def _block_lengths(row: dict) -> dict[int, int]:
+    """Draft rounds by block length K (K >= 1): the row's verdicts by K where recorded."""
+    counts = {k: n for k, n in enumerate(row.get("verdicts_by_k") or ()) if k > 0 and n > 0}
+    return counts or {max(round(row["mean_k"]), 1): 1}
 
 
 def _bound_terms(row: dict, calibration, target_only: dict | None) -> _BoundTerms:
     verify, draft = calibration
     draft = draft or DEFAULT_DRAFT_PRIOR
-    k = max(round(row["mean_k"]), 1)
-    alpha = acceptance_from_mean_length(row["mean_acceptance_length"], k)
-    target_step_s = verify.seconds(1, 1)
-    verify_s, draft_s = verify.seconds(1, k + 1), draft.seconds(1)
+    counts = _block_lengths(row)
+    total = sum(counts.values())
+    weights = {k: n / total for k, n in sorted(counts.items())}
+    alpha = acceptance_from_mix(row["mean_acceptance_length"], weights)
+    target_step_s, draft_s = verify.seconds(1, 1), draft.seconds(1)
+    verify_scale = 1.0
     if target_only is not None:
         target_step_s *= target_only["verify_level"]
-        verify_s *= row["verify_level"] * row.get("draft_round_scale", 1.0)
+        verify_scale = row["verify_level"] * row.get("draft_round_scale", 1.0)
         draft_s *= row["draft_level"]
+    ks = tuple(weights)
     return _BoundTerms(
-        k=k,
+        weights=tuple(weights.values()),
+        ks=ks,
         alpha=alpha,
-        expected=sum(alpha**i for i in range(k + 1)),
-        verify=(verify_s + row["rtt_s"]) / target_step_s,
-        draft=k * draft_s / target_step_s,
+        expected=tuple(sum(alpha**i for i in range(k + 1)) for k in ks),
+        verify=tuple(
+            (verify.seconds(1, k + 1) * verify_scale + row["rtt_s"]) / target_step_s for k in ks
+        ),
+        draft=tuple(k * draft_s / target_step_s for k in ks),
     )
 
 
 def pipelined_bound(row: dict, calibration, target_only: dict | None = None) -> float:
     """docs/design.md section 5 at batch 1: E / max(verify(K+1)/verify(1) + r/T, K·c), with the
-    measured acceptance and mean K of the row and the costs calibrated on the workers.
+    measured acceptance of the row and the costs calibrated on the workers, over the block
+    lengths its rounds used (E and the round's cost each averaged over them: a row whose
+    rounds mix K = 1 and 2 is neither's bound).
 
     With ``target_only`` (that concurrency's target-only row): the same bound at the per-call
     costs measured in the runs instead (each row's level over the calibration, and the row's
@@ -226,7 +247,8 @@ def pipelined_bound(row: dict, calibration, target_only: dict | None = None) -> 
     draft, the target and everything else share the cores, the draft's work slows the target's
     forwards, which the calibrated bound does not know."""
     terms = _bound_terms(row, calibration, target_only)
-    return terms.expected / max(terms.verify, terms.draft)
+    costs = [max(v, d) for v, d in zip(terms.verify, terms.draft, strict=True)]
+    return terms.mean(terms.expected) / terms.mean(costs)
 
 
 def one_request_bound(row: dict, calibration, target_only: dict | None = None) -> float:
@@ -235,11 +257,14 @@ def one_request_bound(row: dict, calibration, target_only: dict | None = None) -
     verification is usable only if the target accepts the whole block and draws the bonus
     token the draft guessed next (probability α^(K+1)); otherwise the next block is drafted
     after the verdict. Expected cost of a round, in target steps, with V = verify(K+1)/T +
-    r/T and D = K·c: α^(K+1)·max(V, D) + (1 − α^(K+1))·(V + D). Costs as in
-    :func:`pipelined_bound` (``target_only``: the ones measured in the run)."""
+    r/T and D = K·c: α^(K+1)·max(V, D) + (1 − α^(K+1))·(V + D), averaged over the row's block
+    lengths as in :func:`pipelined_bound` (``target_only``: the costs measured in the run)."""
     terms = _bound_terms(row, calibration, target_only)
-    v, d, ahead = terms.verify, terms.draft, terms.alpha ** (terms.k + 1)
-    return terms.expected / (ahead * max(v, d) + (1 - ahead) * (v + d))
+    costs = []
+    for k, v, d in zip(terms.ks, terms.verify, terms.draft, strict=True):
+        ahead = terms.alpha ** (k + 1)
+        costs.append(ahead * max(v, d) + (1 - ahead) * (v + d))
+    return terms.mean(terms.expected) / terms.mean(costs)
 
 
 def simulated_tokens_per_s(

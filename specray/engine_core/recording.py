@@ -7,7 +7,7 @@ its stats on ``reset_stats`` (and a simulation its metrics), so nothing here kee
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specray.engine_core.costs import Costs
 from specray.engine_core.metrics import CoordinatorMetrics
@@ -40,6 +40,9 @@ class CoordinatorStats:
     rounds_ahead: int = 0  # rounds issued before the verdict of the round before (async)
     rows_ended: int = 0  # of their rows, requests that the round before had ended
     joined_ahead: int = 0  # requests submitted into a round scheduled ahead before it started
+    # Requests' verdicts by the block length verified (index k; 0: no draft): the mix of k
+    # that a bound over the rounds' costs averages over (bench/serving.py).
+    verdicts_by_k: list[int] = field(default_factory=list)
 
 
 def record_round(
@@ -160,6 +163,10 @@ def record_verdict(
     block's reason."""
     num_draft, num_accepted = result.num_draft_tokens, result.num_accepted
     request.state.metrics.record(num_draft, num_accepted)
+    by_k = stats.verdicts_by_k
+    if num_draft >= len(by_k):
+        by_k.extend([0] * (num_draft + 1 - len(by_k)))
+    by_k[num_draft] += 1
     metrics.record_round(num_draft, num_accepted)
     if num_draft:
         request.estimator.update(num_draft, num_accepted)

@@ -41,3 +41,29 @@ def test_one_request_bound_sits_between_the_synchronous_and_pipelined_bounds(mea
     v, d = (0.048 + 0.001) / 0.040, 2 * 0.006 / 0.040
     synchronous = mean_length / (v + d)
     assert synchronous < one < pipelined
+
+
+def test_a_mix_of_block_lengths_is_bounded_over_its_mix_not_its_rounded_mean():
+    """Half the rounds at K = 1, half at K = 2 (mean 1.5): E and the round's cost are both
+    averaged over the two, not taken at K = round(1.5)."""
+    verify = VerifyCost(0.0, 0.0, 0.0, table=((1, 0.040), (2, 0.044), (3, 0.048)))
+    calibration = (verify, DRAFT)
+    mixed = {
+        "mean_k": 1.5,
+        "mean_acceptance_length": 1.5,
+        "rtt_s": 0.0,
+        "verdicts_by_k": [3, 10, 10],  # (rounds without a draft are not draft rounds)
+    }
+    v1, v2 = 0.044 / 0.040, 0.048 / 0.040
+    assert pipelined_bound(mixed, calibration) == pytest.approx(1.5 / ((v1 + v2) / 2), rel=1e-6)
+    rounded = {key: value for key, value in mixed.items() if key != "verdicts_by_k"}
+    assert pipelined_bound(rounded, calibration) == pytest.approx(1.5 / v2, rel=1e-6)
+    # α solves (1 + α) / 2 + (1 + α + α²) / 2 = 1.5, and drafts made ahead at K are kept with
+    # probability α^(K+1).
+    alpha = (-2 + (4 + 4 * 1.0) ** 0.5) / 2  # α² + 2α - 1 = 0
+    d1, d2 = 0.006 / 0.040, 2 * 0.006 / 0.040
+    cost = sum(
+        (alpha ** (k + 1) * max(v, d) + (1 - alpha ** (k + 1)) * (v + d)) / 2
+        for k, v, d in ((1, v1, d1), (2, v2, d2))
+    )
+    assert one_request_bound(mixed, calibration) == pytest.approx(1.5 / cost, rel=1e-6)

@@ -350,12 +350,18 @@ def test_every_request_gets_exactly_max_tokens():
         await coordinator.stop()
         held = await target.held_requests()
         held += [r for w in range(2) for r in await drafts.held_requests(w)]
-        return lengths, outputs, held, len(inbox)
+        return lengths, outputs, held, len(inbox), coordinator.stats.verdicts_by_k
 
-    lengths, outputs, held, inbox_entries = run_virtual(main())
+    lengths, outputs, held, inbox_entries, by_k = run_virtual(main())
     assert [len(o.token_ids) for o in outputs] == lengths
     assert all(o.finish_reason == "length" for o in outputs)
     assert held == [] and inbox_entries == 0
+    # Every request-round's verdict is counted once, at the block length it verified.
+    assert sum(by_k) == sum(o.metrics.num_target_steps for o in outputs)
+    assert sum(k * n for k, n in enumerate(by_k)) == sum(
+        o.metrics.num_draft_tokens for o in outputs
+    )
+    assert sum(by_k[1:]) == sum(o.metrics.num_drafts for o in outputs) > 0
 
 
 # ---- whole simulations ---------------------------------------------------------------------
