@@ -177,6 +177,7 @@ class CoordinatorService:
             request.stop,
             include_stop=request.include_stop_str_in_output,
             min_tokens=params.min_tokens,
+            deferred=not (request.stream or request.stop),  # the text is read at the end only
         )
         if request.resume_token_ids:
             # A resumed request: the caller has (most of) these tokens' text already; it is

@@ -22,7 +22,9 @@ class TextStream:
 
     Decoding is incremental: each push decodes only the tokens since the last complete
     character, with the chunk before them as context (a token's text can depend on its left
-    neighbour), so a long output costs O(length), not O(length^2), per request.
+    neighbour), so a long output costs O(length), not O(length^2), per request. With
+    ``deferred`` (no stop strings, and a caller that takes the text only once the output is
+    final) nothing is decoded before ``flush()``, which decodes the whole output once.
     """
 
     def __init__(
@@ -32,8 +34,12 @@ class TextStream:
         *,
         include_stop: bool = False,
         min_tokens: int = 0,
+        deferred: bool = False,
     ):
+        if deferred and stop:
+            raise ValueError("a deferred TextStream cannot match stop strings: they end it early")
         self.tokenizer = tokenizer
+        self.deferred = deferred
         self.stop = tuple(stop)
         self.include_stop = include_stop
         self.min_tokens = min_tokens  # stop strings count from this many tokens on (vLLM's)
@@ -54,7 +60,7 @@ class TextStream:
         if self.stopped:
             return ""
         self.kept_tokens = len(self.token_ids)
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.deferred:
             return ""
         self._decode_new(force=False)
         found = self._first_stop(self.text) if len(self.token_ids) >= self.min_tokens else None
@@ -74,7 +80,8 @@ class TextStream:
         """Append the text of the tokens not yet read, unless it ends mid-character."""
         decode = self.tokenizer.decode
         window = self.token_ids[self._prefix :]
-        before = decode(window[: self._read - self._prefix], skip_special_tokens=True)
+        context = window[: self._read - self._prefix]
+        before = decode(context, skip_special_tokens=True) if context else ""
         after = decode(window, skip_special_tokens=True)
         if len(after) <= len(before) or (after.endswith(REPLACEMENT_CHAR) and not force):
             return

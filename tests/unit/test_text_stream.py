@@ -64,3 +64,36 @@ def test_without_a_stop_every_token_is_kept_and_min_tokens_holds_stops_off(token
     stream = TextStream(tokenizer, ["world"], min_tokens=4)
     _push_all(stream, token_ids, (1,) * NUM_TOKENS)
     assert stream.stopped and stream.text == "Hello " and stream.kept_tokens == 4
+
+
+@pytest.mark.parametrize("sizes", PUSHES)
+def test_a_deferred_stream_decodes_once_at_the_end_to_the_streamed_text(
+    tokenizer, token_ids, sizes
+):
+    # Multi-byte characters split across tokens as well as plain words.
+    ids = token_ids + tokenizer.encode(" café — naïve 😀 ok", add_special_tokens=False)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    streamed = TextStream(tokenizer)
+    deferred = TextStream(tokenizer, deferred=True)
+    calls = []
+    decode = tokenizer.decode
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return decode(*args, **kwargs)
+
+    sizes = (*sizes, len(ids) - NUM_TOKENS)
+    assert _push_all(streamed, ids, sizes) == text
+    tokenizer.decode = counting
+    try:
+        pieces = [
+            deferred.push(ids[sum(sizes[:i]) : sum(sizes[: i + 1])]) for i in range(len(sizes))
+        ]
+        assert pieces == [""] * len(sizes)  # nothing decoded before the output is final
+        assert calls == []
+        assert deferred.flush() == text == deferred.text == streamed.text
+    finally:
+        del tokenizer.decode
+    assert calls == [ids] and deferred.kept_tokens == len(ids)  # the whole output, once
+    with pytest.raises(ValueError, match="stop strings"):
+        TextStream(tokenizer, ["x"], deferred=True)
