@@ -81,7 +81,7 @@ def prompt_token_ids(
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if isinstance(prompt, str):
         if not (use_chat_template and has_template):
-            return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            return _encode_text(tokenizer, prompt)
         prompt = user_turn(prompt)
     elif not has_template:
         raise InvalidRequestError(
@@ -94,3 +94,19 @@ def prompt_token_ids(
     if hasattr(encoded, "keys"):  # a BatchEncoding (transformers 5), else a list of ids
         encoded = encoded["input_ids"]
     return list(encoded)
+
+
+def _encode_text(tokenizer, text: str) -> list[int]:
+    """``tokenizer(text, add_special_tokens=True)["input_ids"]``. A fast tokenizer whose
+    backend is in the state that call would put it in (no truncation, no padding, special
+    tokens split as the tokenizer says) is asked directly: the same ids without the wrapper's
+    per-call work (~25 us of a served request's CPU on its front end)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        backend is not None
+        and backend.truncation is None
+        and backend.padding is None
+        and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))
+    ):
+        return backend.encode(text, add_special_tokens=True).ids
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])

@@ -10,7 +10,12 @@ from specray.errors import InvalidRequestError
 from specray.models.loading import load_tokenizer, resolve_model_dir
 from specray.prompts import prompt_token_ids, user_turn
 
-TEXTS = ["Hello world", "  leading spaces, émoji 🙂 and\nnewlines\t", "def f(x):\n    return x"]
+TEXTS = [
+    "Hello world",
+    "  leading spaces, émoji 🙂 and\nnewlines\t",
+    "def f(x):\n    return x",
+    "<|im_start|>user\nspecial tokens in text<|im_end|>",
+]
 TURNS = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What is 2 + 2?"},
@@ -34,6 +39,17 @@ def test_plain_text_is_the_tokenizers_encoding_with_special_tokens(tokenizer, te
     ids = prompt_token_ids(tokenizer, text, use_chat_template=False)
     assert ids == list(tokenizer.encode(text))  # the engine's former recipe
     assert ids == list(tokenizer(text, add_special_tokens=True)["input_ids"])  # the server's
+
+
+def test_a_backend_left_truncating_is_not_asked_directly(tokenizer):
+    text = TEXTS[1]
+    full = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    tokenizer.backend_tokenizer.enable_truncation(max_length=3)  # as a caller may leave it
+    try:
+        assert prompt_token_ids(tokenizer, text, use_chat_template=False) == full
+    finally:
+        tokenizer.backend_tokenizer.no_truncation()
+    assert len(full) > 3
 
 
 @pytest.mark.parametrize("text", TEXTS)
