@@ -26,7 +26,7 @@ import socket
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from specray.bench.clients import run_clients
 from specray.prompts import prompt_token_ids
@@ -70,6 +70,9 @@ class OverheadRow:
     ray_calls_per_round: float | None = None
     draft_messages_per_round: float | None = None
     delta_batches_per_round: float | None = None
+    # Each turn's tokens/s over the waves' (``ray``) of the same turn: a slow spell of the
+    # machine moves both sides of a turn's ratio, where it moves only one side of the sums'.
+    turn_ratios: list[float] | None = None
 
 
 def _prompt(client: int, index: int) -> str:
@@ -300,6 +303,12 @@ def _rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
                 runs: dict[str, list[tuple[list[float], float]]] = {"engine": [], "ray": []}
                 runs |= {path: [] for path, _ in paths}
                 counts = _Counts()
+                # One pass of each at this concurrency first, not counted: a batch size's first
+                # rounds (its buffers, its kernels' first calls) would fall on the first turn.
+                for warm in (local, engine):
+                    _waves(warm, replace(config, requests_per_client=1), concurrency, params)
+                for _, run in paths:
+                    run(concurrency, 1)
                 for turn in range(config.repeats):
                     runs["engine"].append(_waves(local, config, concurrency, params))
                     before = engine.engine_stats()
@@ -313,6 +322,7 @@ def _rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
                     latencies = [latency for run, _ in measured for latency in run]
                     wall = sum(wall for _, wall in measured)
                     rows.append(_row(path, concurrency, latencies, wall, tokens))
+                    rows[-1].turn_ratios = turn_ratios(measured, runs["ray"])
                     if path == "ray":
                         counts.fill(rows[-1])
     finally:
@@ -321,6 +331,17 @@ def _rows(config: OverheadConfig, target: str) -> list[OverheadRow]:
         launch.stop()
         ray.shutdown()
     return rows
+
+
+def turn_ratios(
+    measured: list[tuple[list[float], float]], waves: list[tuple[list[float], float]]
+) -> list[float]:
+    """Per turn, ``(latencies, wall_s)`` of a path against the waves' of the same turn:
+    requests per second over the waves' (every request has the same number of tokens)."""
+    return [
+        (len(run) / wall) / (len(base) / base_wall)
+        for (run, wall), (base, base_wall) in zip(measured, waves, strict=True)
+    ]
 
 
 def _served_group_session(target: str):
@@ -354,10 +375,16 @@ def run_overhead_bench(config: OverheadConfig = OverheadConfig()) -> dict:
     return {"config": asdict(config), "rows": [asdict(row) for row in rows]}
 
 
+def _turns_text(ratios: list[float] | None) -> str:
+    if not ratios:
+        return ""
+    return f"  {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def format_overhead(report: dict) -> str:
     lines = [
         "path         conc  requests  ms/request  ms/token  tokens/s  +ms/request  +ms/token"
-        "  x ray  x ray-clients",
+        "  x ray  x ray-clients  x ray by turn: median (range)",
     ]
     rows = {(row["path"], row["concurrency"]): row for row in report["rows"]}
     for row in report["rows"]:
@@ -372,6 +399,7 @@ def format_overhead(report: dict) -> str:
             f"{row['tokens_per_s']:>8.1f}  {row['overhead_ms_per_request']:>11.1f}  "
             f"{row['overhead_ms_per_token']:>9.2f}"
             + "".join(f"  {ratio:>5.2f}x" for ratio in ratios)
+            + _turns_text(row.get("turn_ratios"))
         )
     config = report["config"]
     lines.append(
