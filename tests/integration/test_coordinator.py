@@ -58,18 +58,32 @@ def _sample_and_fit(engine, target_model, prompt, num_samples, length, seed_offs
     return outputs, chi_square_fit(samples, law(params[0])), chi_square_fit(samples, law(wrong))
 
 
+def _kill_draft_worker_after(engine, committed: int, killed: threading.Event) -> None:
+    """Kill the draft worker once the engine core has committed ``committed`` tokens: mid-run
+    however fast the machine runs (a timer fired after a fast run had ended)."""
+    deadline = time.monotonic() + 120
+    while engine.engine_stats()["stats"]["committed_tokens"] < committed:
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.02)
+    ray.kill(engine.backend.drafts[0], no_restart=True)
+    killed.set()
+
+
 def test_pipelined_adaptive_sampling_follows_the_target_through_a_draft_kill(cluster, tiny_pair):
     """n = 2000 sequences of length 4, seeds 0..1999, chi-square at ALPHA = 0.001 against the
     target's exact law, through 2 micro-batches, adaptive k, draft-ahead and a draft worker
-    killed mid-run; the same samples must be rejected against temperature 0.6 (negative
-    control)."""
+    killed mid-run (after 2000 of the 8000 tokens); the same samples must be rejected against
+    temperature 0.6 (negative control)."""
     target_model, target_dir, draft_dir = tiny_pair
     engine = Engine(target_dir, draft=draft_dir, cluster=cluster[0].address, coordinator=PIPELINED)
     try:
-        killer = threading.Timer(2.0, lambda: ray.kill(engine.backend.drafts[0], no_restart=True))
+        killed = threading.Event()
+        killer = threading.Thread(target=_kill_draft_worker_after, args=(engine, 2000, killed))
         killer.start()
         outputs, fit, control = _sample_and_fit(engine, target_model, [1, 2, 3, 1], 2000, 4)
-        killer.join()
+        killer.join(timeout=10)
+        assert killed.is_set(), "the draft worker was not killed mid-run"
         core = engine.engine_stats()
         failures = core["stats"]["draft_failures"]
         exported = _samples(core["metrics"].decode())
