@@ -128,18 +128,10 @@ class AsyncClient:
         ``Generate`` with ``final_only``). Retried on UNAVAILABLE: no output reached the
         caller before the call ended."""
         request = build_request(prompt, messages, prompt_token_ids, sampling)
-        call_metadata = self.config.call_metadata(metadata)
         if not self._without_complete:
-            stub, _ = self._stubs()
+            complete = self._stubs()[0].Complete
             try:
-                final = await call_with_retries_async(
-                    lambda timeout_s: stub.Complete(
-                        request, timeout=timeout_s, metadata=call_metadata
-                    ),
-                    self.config.retry,
-                    timeout,
-                    on_retry=self._count_retry,
-                )
+                final = await self._unary(complete, request, timeout, metadata, self._count_retry)
                 return Completion.from_proto(final)
             except SpecrayClientError as error:
                 if error.code != grpc.StatusCode.UNIMPLEMENTED:
@@ -147,7 +139,7 @@ class AsyncClient:
                 self._without_complete = True
         request.final_only = True
         completion = None
-        async for chunk in self._chunks(request, timeout, call_metadata):
+        async for chunk in self._chunks(request, timeout, self.config.call_metadata(metadata)):
             completion = chunk.completion or completion
         return completion  # the stream raised if it ended without one
 
@@ -155,12 +147,13 @@ class AsyncClient:
         self.generate_retries += 1
 
     # ---- unary calls (retried on UNAVAILABLE) ---------------------------------------------
-    async def _unary(self, method, request, timeout, metadata):
+    async def _unary(self, method, request, timeout, metadata, on_retry=None):
         call_metadata = self.config.call_metadata(metadata)
         return await call_with_retries_async(
             lambda timeout_s: method(request, timeout=timeout_s, metadata=call_metadata),
             self.config.retry,
             timeout,
+            on_retry,
         )
 
     async def model_info(

@@ -126,16 +126,10 @@ class Client:
         ``Generate`` with ``final_only``). Retried on UNAVAILABLE: no output reached the
         caller before the call ended."""
         request = build_request(prompt, messages, prompt_token_ids, sampling)
-        call_metadata = self.config.call_metadata(metadata)
         if not self._without_complete:
             try:
-                final = call_with_retries(
-                    lambda timeout_s: self._stub.Complete(
-                        request, timeout=timeout_s, metadata=call_metadata
-                    ),
-                    self.config.retry,
-                    timeout,
-                    on_retry=self._count_retry,
+                final = self._unary(
+                    self._stub.Complete, request, timeout, metadata, self._count_retry
                 )
                 return Completion.from_proto(final)
             except SpecrayClientError as error:
@@ -144,7 +138,7 @@ class Client:
                 self._without_complete = True
         request.final_only = True
         completion = None
-        for chunk in self._chunks(request, timeout, call_metadata):
+        for chunk in self._chunks(request, timeout, self.config.call_metadata(metadata)):
             completion = chunk.completion or completion
         return completion  # the stream raised if it ended without one
 
@@ -152,12 +146,15 @@ class Client:
         self.generate_retries += 1
 
     # ---- unary calls (retried on UNAVAILABLE) ---------------------------------------------
-    def _unary(self, method, request, timeout: float | None, metadata: Metadata | None):
+    def _unary(
+        self, method, request, timeout: float | None, metadata: Metadata | None, on_retry=None
+    ):
         call_metadata = self.config.call_metadata(metadata)
         return call_with_retries(
             lambda timeout_s: method(request, timeout=timeout_s, metadata=call_metadata),
             self.config.retry,
             timeout,
+            on_retry,
         )
 
     def model_info(
