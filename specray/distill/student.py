@@ -41,13 +41,25 @@ class ReducedVocabHead(nn.Module):
         self.bias = None
 
         self._weight_t: torch.Tensor | None = None  # [H, head_vocab], inference only
+        self._int8: nn.Module | None = None  # an int8 copy of the weight (quantize), inference
 
     def train(self, mode: bool = True):
         self._weight_t = None  # weights may change: drop the transposed copy
+        if mode:
+            self._int8 = None  # ... and the int8 one
         return super().train(mode)
+
+    def quantize(self) -> None:
+        """Compute inference logits from an int8 copy of the weight (models/int8.py)."""
+        from specray.models.int8 import Int8Linear, packable
+
+        if packable(self.weight.shape[1]):
+            self._int8 = Int8Linear.from_weight(self.weight)
 
     def reduced(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the head's tokens only: ``[..., head_vocab]`` (training uses these)."""
+        if self._int8 is not None and not self.training and not torch.is_grad_enabled():
+            return self._int8(hidden)
         one_row = hidden.dim() == 2 and hidden.shape[0] == 1
         fp32 = self.weight.dtype == torch.float32  # (an fp16 matrix transposed is 12x slower)
         if one_row and fp32 and not self.training and not torch.is_grad_enabled():
@@ -270,6 +282,18 @@ def load_draft(
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
     return set_draft_dtype(student.eval(), dtype)
+
+
+def quantize_draft(student):
+    """The draft in bfloat16 with its decoder layers' linears and its head computing from
+    weight-only int8 copies (models/int8.py), in place; the shared embeddings stay the
+    target's."""
+    from specray.models.int8 import ACTIVATION_DTYPE, quantize_linears
+
+    set_draft_dtype(student, ACTIVATION_DTYPE)
+    quantize_linears(student.get_decoder().layers)
+    student.get_output_embeddings().quantize()
+    return student
 
 
 def set_draft_dtype(student, dtype: torch.dtype):

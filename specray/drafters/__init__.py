@@ -120,30 +120,30 @@ def _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encode
     distilled_dtype = "auto"
     if spec == SHIPPED_DRAFT or spec.startswith(f"{SHIPPED_DRAFT}:"):
         distilled_dtype = spec.partition(":")[2] or "auto"
-        if distilled_dtype not in ("auto", "fp32", "fp16", "bf16"):
+        if distilled_dtype not in ("auto", "fp32", "fp16", "bf16", "int8"):
             raise ValueError(
-                f"draft must be 'distilled' or 'distilled:fp32|fp16|bf16', got {draft!r}"
+                f"draft must be 'distilled' or 'distilled:fp32|fp16|bf16|int8', got {draft!r}"
             )
         spec = str(shipped_draft_dir())
         if not is_distilled_draft(spec):
             raise ValueError(f"draft {draft!r}: the shipped draft is missing from {spec}")
     if spec in SELF_DRAFTS:
         loaded = _load_self_draft(spec, target, draft, device)
-        runner = ModelRunner(loaded.model)
+        runner = ModelRunner(loaded.model, lean=True)
         check_same_vocabulary(
             target.tokenizer, loaded.tokenizer, target_vocab_size, runner.vocab_size
         )
     elif spec.startswith("self:"):
         raise ValueError(f"draft must be one of {list(SELF_DRAFTS)}, got {draft!r}")
     elif is_distilled_draft(spec):  # checks the vocabulary against the target's itself
-        draft_model = load_distilled(spec, target, target_vocab_size, distilled_dtype)
+        draft_model = load_distilled(spec, target, target_vocab_size, distilled_dtype, device)
         draft_model = draft_model.to(device)  # embeddings shared with a target there stay put
-        runner = ModelRunner(draft_model)
+        runner = ModelRunner(draft_model, lean=True)
         if hasattr(draft_model, "embed_with_features"):  # marker: "feature_conditioned": true
             return FeatureDrafter(runner, encoding, keep_encoded=keep_encoded)
     else:
         loaded = load_model(spec, param="draft", device=device)
-        runner = ModelRunner(loaded.model)
+        runner = ModelRunner(loaded.model, lean=True)
         check_same_vocabulary(
             target.tokenizer, loaded.tokenizer, target_vocab_size, runner.vocab_size
         )
@@ -165,7 +165,7 @@ def make_drafter(
     device: torch.device | None = None,
 ) -> Drafter | None:
     """``None`` (target-only); ``"ngram"``; ``"self:auto|bf16|fp16|fp32|int8"``; ``"distilled"``
-    or ``"distilled:fp32|fp16|bf16"`` (the shipped draft of the default target); a distilled
+    or ``"distilled:fp32|fp16|bf16|int8"`` (the shipped draft of the default target); a distilled
     draft directory (feature-conditioned or not: its marker says) or a model path;
     ``"ngram+<any of those>"`` (prompt lookup first); ``"default"`` / ``"auto"`` (the measured
     winner for this target). Model drafters run on ``device`` (default: the target's)."""

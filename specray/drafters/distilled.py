@@ -26,18 +26,36 @@ def target_embeddings(target: LoadedModel) -> torch.nn.Embedding:
 
 
 def load_distilled(
-    folder: str | Path, target: LoadedModel, target_vocab_size: int, dtype: str = "auto"
+    folder: str | Path,
+    target: LoadedModel,
+    target_vocab_size: int,
+    dtype: str = "auto",
+    device: torch.device | None = None,
 ):
-    """The draft model in ``folder`` on the target's embeddings (no copy when loaded here), its
-    weights in ``dtype`` (``"fp32"``, ``"fp16"``, ``"bf16"``; ``"auto"``: whichever computes a
-    draft step's single rows fastest on this CPU, measured once per machine)."""
-    from specray.distill.student import load_draft, set_draft_dtype
-    from specray.models.linears import ROW_DTYPES, fastest_row_dtype
+    """The draft in ``folder`` on the target's embeddings (no copy when loaded here), its
+    weights in ``dtype`` (``"fp32"``, ``"fp16"``, ``"bf16"``, ``"int8"``: weight-only int8 on
+    the CPU, models/int8.py; ``"auto"``: on the CPU whichever computes a draft step's single
+    rows fastest, measured once per machine; bfloat16 on an accelerator ``device``)."""
+    from specray.distill.student import load_draft, quantize_draft, set_draft_dtype
+    from specray.models.int8 import int8_available
+    from specray.models.linears import INT8, ROW_DTYPES, fastest_row_dtype
 
-    if dtype != "auto" and dtype not in ROW_DTYPES:
-        raise ValueError(f"draft dtype must be 'auto' or one of {list(ROW_DTYPES)}, got {dtype!r}")
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    if dtype != "auto" and dtype not in (*ROW_DTYPES, INT8):
+        raise ValueError(
+            f"draft dtype must be 'auto' or one of {[*ROW_DTYPES, INT8]}, got {dtype!r}"
+        )
+    if dtype == INT8 and not (on_cpu and int8_available()):
+        raise ValueError(
+            f"draft dtype 'int8' runs on the CPU with torch's int8-weight kernel, not on {device}"
+        )
     draft = load_draft(folder, target_embeddings(target), target_vocab_size, target.tokenizer)
-    if dtype == "auto":
+    if dtype == "auto" and not on_cpu:
+        dtype = "bf16"
+    elif dtype == "auto":
         shapes = [tuple(m.weight.shape) for m in draft.modules() if hasattr(m, "out_features")]
-        dtype = fastest_row_dtype(shapes)
+        candidates = (*ROW_DTYPES, INT8) if int8_available() else tuple(ROW_DTYPES)
+        dtype = fastest_row_dtype(shapes, candidates)
+    if dtype == INT8:
+        return quantize_draft(draft)
     return set_draft_dtype(draft, ROW_DTYPES[dtype])

@@ -244,14 +244,37 @@ def _cached_costs(role: str, linears: Sequence[TunedLinear], kernels: Sequence[s
 
 
 ROW_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+INT8 = "int8"  # weight-only int8 with bfloat16 rows (models/int8.py)
+
+
+def _time_int8_pass(shapes: Sequence[tuple[int, int]]) -> float:
+    """Best-of seconds of one row through int8 linears of ``shapes`` (bfloat16 where the
+    kernel cannot take the input width), as :func:`_time_pass`."""
+    from specray.models.int8 import ACTIVATION_DTYPE, Int8Linear, packable
+
+    modules = []
+    for out, width in shapes:
+        linear = nn.Linear(width, out, bias=False)
+        modules.append(
+            Int8Linear.from_linear(linear) if packable(width) else linear.to(ACTIVATION_DTYPE)
+        )
+    inputs = {width: torch.randn(1, width, dtype=ACTIVATION_DTYPE) for _, width in shapes}
+    best = float("inf")
+    for attempt in range(CALIBRATION_REPEATS + 1):  # the first pass warms up
+        started = time.perf_counter()
+        for module, (_, width) in zip(modules, shapes, strict=True):
+            module(inputs[width])
+        if attempt:
+            best = min(best, time.perf_counter() - started)
+    return best
 
 
 def fastest_row_dtype(
     shapes: Sequence[tuple[int, int]], candidates: Sequence[str] = tuple(ROW_DTYPES)
 ) -> str:
-    """Of ``candidates`` (``"fp32"``, ``"fp16"``, ``"bf16"``), whichever computes one row
-    through matrices of ``shapes`` (``[out, in]`` each) fastest on this CPU, fp32 through
-    oneDNN where it has it.
+    """Of ``candidates`` (``"fp32"``, ``"fp16"``, ``"bf16"``, ``"int8"``), whichever computes
+    one row through matrices of ``shapes`` (``[out, in]`` each) fastest on this CPU, fp32
+    through oneDNN where it has it, int8 as weight-only int8 (models/int8.py).
     For a draft, whose precision changes its q but never the output's law. Measured once per
     machine (random weights; a few hundred milliseconds)."""
 
@@ -259,6 +282,9 @@ def fastest_row_dtype(
         seconds = {}
         with torch.inference_mode():
             for name in candidates:
+                if name == INT8:
+                    seconds[name] = _time_int8_pass(shapes)
+                    continue
                 dtype = ROW_DTYPES[name]
                 tuned = [TunedLinear(nn.Linear(i, o, bias=False).to(dtype)) for o, i in shapes]
                 kernel = ONEDNN if dtype == torch.float32 and onednn_available() else DENSE

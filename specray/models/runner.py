@@ -26,6 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specray.models.batch_invariant import make_batch_invariant
 from specray.models.device import DeviceTimer
+from specray.models.lean import LeanDecoder, lean_eligible
 from specray.models.linears import tune_decoder_linears, tune_head
 from specray.models.packing import (
     KWARG,
@@ -100,11 +101,14 @@ class ModelRunner:
         tune: bool = True,
         batch_invariant: bool = False,
         pack: bool = True,
+        lean: bool = False,
     ):
         """``batch_invariant``: a token's logits bitwise the same whatever else its forward
         holds (models/batch_invariant.py); no kernel tuning then. ``pack``: rows fed different
         numbers of tokens run packed (models/packing.py); off, every row is padded to the
-        longest (benchmarks compare the two)."""
+        longest (benchmarks compare the two). ``lean``: run the decoder through
+        :class:`~specray.models.lean.LeanDecoder` where the family has one (drafts: the same
+        function to float rounding, without transformers' per-module dispatch)."""
         config = model.config
         if config.model_type not in SUPPORTED_TYPES:
             raise ValueError(
@@ -133,6 +137,8 @@ class ModelRunner:
         plain_head = config.model_type in PLAIN_HEAD_TYPES and getattr(head, "bias", None) is None
         self._decoder = model.get_decoder() if plain_head else None
         self._head = head if plain_head else None
+        use_lean = lean and plain_head and not batch_invariant and lean_eligible(model)
+        self._lean = LeanDecoder(model) if use_lean else None
         # Kernels and row padding for small-batch products chosen by timing this machine
         # (models/linears.py): a 1-token step and a (k+1)-token verification then cost about
         # the same, as memory-bound products should.
@@ -485,6 +491,14 @@ class ModelRunner:
         """The model over ``[rows, width]`` tokens (or ``[1, T]`` packed): final-norm hidden
         states ``[rows, width, hidden]``, or logits ``[rows, width, vocab]`` without a plain
         head."""
+        if self._lean is not None:
+            embeds = None
+            if feature_batch is not None:
+                embeds = self.model.embed_with_features(input_ids, feature_batch)
+                input_ids = None
+            return self._lean(
+                positions, masks, cache, packing, input_ids=input_ids, inputs_embeds=embeds
+            )
         extra = {} if packing is None else {KWARG: packing}  # to attention (models/packing.py)
         common = dict(attention_mask=masks, position_ids=positions, cache=cache, use_cache=True)
         if feature_batch is not None:  # the model mixes each token's feature into its input

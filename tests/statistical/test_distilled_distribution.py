@@ -13,10 +13,12 @@ with the uniform distribution, i.e. it misreports what it sampled from) must be 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
-from specray.distill.student import build_student
+from specray.distill.student import build_student, quantize_draft
 from specray.drafters import FirstFoundDrafter, ModelDrafter, NgramDrafter
 from specray.models.runner import ModelRunner
 from specray.sampling import DraftProbsEncoding
@@ -56,6 +58,17 @@ def student(target):
 
 def _model_drafter(student) -> ModelDrafter:
     return ModelDrafter(ModelRunner(student), DraftProbsEncoding.parse("fp32"))
+
+
+def _int8_lean_drafter(student) -> ModelDrafter:
+    """The student as a CPU draft runs by default here: weight-only int8 linears and head,
+    computed by the lean decoder (models/int8.py, models/lean.py)."""
+    runner = ModelRunner(quantize_draft(copy.deepcopy(student)), lean=True)
+    assert runner._lean is not None
+    return ModelDrafter(runner, DraftProbsEncoding.parse("fp32"))
+
+
+DRAFTERS = {"fp32": _model_drafter, "int8-lean": _int8_lean_drafter}
 
 
 class MisreportingDrafter:
@@ -101,6 +114,15 @@ def test_reduced_vocabulary_draft_is_exact(name, options, target, student, recor
     assert committed & {2, 4}, committed
 
 
+def test_int8_lean_draft_is_exact(target, student, record_property):
+    outputs, fit = run_case(Case("int8-lean"), target, _int8_lean_drafter(student))
+    record_property("fit", fit.describe())
+    assert fit.impossible_count == 0, fit.describe()
+    assert fit.p_value >= ALPHA, f"int8-lean: rejected; {fit.describe()}"
+    drafted, accepted, full_blocks = _pooled_metrics(outputs)
+    assert 0 < accepted < drafted and full_blocks > 0, (drafted, accepted, full_blocks)
+
+
 def test_ngram_then_model_chain_is_exact(target, student, record_property):
     ngram, model = NgramDrafter(VOCAB_SIZE), _model_drafter(student)
     blocks = {"ngram": 0, "model": 0}  # non-empty blocks each proposer made
@@ -123,8 +145,9 @@ def test_ngram_then_model_chain_is_exact(target, student, record_property):
     assert blocks["ngram"] > 0 and blocks["model"] > 0, blocks  # both proposers ran
 
 
-def test_negative_control_misreported_q_is_rejected(target, student, record_property):
-    wrong = MisreportingDrafter(_model_drafter(student))
+@pytest.mark.parametrize("draft", sorted(DRAFTERS))
+def test_negative_control_misreported_q_is_rejected(draft, target, student, record_property):
+    wrong = MisreportingDrafter(DRAFTERS[draft](student))
     _, fit = run_case(Case("misreported-q"), target, wrong)
     record_property("fit", fit.describe())
     assert fit.p_value < ALPHA, f"a misreported q was not detected: {fit.describe()}"

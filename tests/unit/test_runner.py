@@ -71,11 +71,15 @@ class _Counting:
         monkeypatch.setattr(SlotCache, "_reallocate", counting_reallocate)
 
 
-def _random_schedule(model, seed: int, steps: int = 50, long_feeds: bool = False) -> None:
+def _random_schedule(
+    model, seed: int, steps: int = 50, long_feeds: bool = False, lean: bool = False
+) -> None:
     """``long_feeds``: some feeds are prompt-sized (10-40 tokens) beside the others' few, so
-    packed forwards split into several attention segments (models/packing.py)."""
+    packed forwards split into several attention segments (models/packing.py). ``lean``: the
+    runner computes through its lean decoder (models/lean.py)."""
     reference = _eager(model)
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, lean=lean)
+    assert (runner._lean is not None) == lean
     schedule = random.Random(seed)
     sequences: dict[str, list[int]] = {}
     for step in range(steps):
@@ -120,28 +124,40 @@ def test_random_schedule_with_prompts_beside_decoding_matches_recompute(tiny_mod
     _random_schedule(tiny_model, seed, steps=30, long_feeds=True)
 
 
-@pytest.mark.parametrize(
-    ("model_class", "config"),
-    [
-        (MistralForCausalLM, MistralConfig(**TINY, sliding_window=4)),
-        (
-            Qwen2ForCausalLM,
-            Qwen2Config(
-                **TINY,
-                use_sliding_window=True,
-                sliding_window=3,
-                max_window_layers=1,
-                layer_types=["full_attention", "sliding_attention"],
-            ),
+WINDOWED_FAMILIES = [
+    (MistralForCausalLM, MistralConfig(**TINY, sliding_window=4)),
+    (
+        Qwen2ForCausalLM,
+        Qwen2Config(
+            **TINY,
+            use_sliding_window=True,
+            sliding_window=3,
+            max_window_layers=1,
+            layer_types=["full_attention", "sliding_attention"],
         ),
-    ],
-    ids=["mistral-window-4", "qwen2-full-and-window-3"],
-)
+    ),
+]
+WINDOWED_IDS = ["mistral-window-4", "qwen2-bias-full-and-window-3"]
+
+
+@pytest.mark.parametrize(("model_class", "config"), WINDOWED_FAMILIES, ids=WINDOWED_IDS)
 def test_sliding_windows_match_the_family(model_class, config, monkeypatch):
     """Sequences longer than the window: the runner's own masks apply the window where the
     family's mask functions do (one window for Mistral; per layer type for Qwen2)."""
     monkeypatch.setattr(slot_cache, "MIN_SLOTS", 4)
     _random_schedule(_build(model_class, config), seed=3, steps=30, long_feeds=True)
+
+
+@pytest.mark.parametrize(
+    ("model_class", "config"),
+    [(LlamaForCausalLM, LlamaConfig(**TINY)), *WINDOWED_FAMILIES],
+    ids=["llama", *WINDOWED_IDS],
+)
+def test_lean_decoder_matches_recompute(model_class, config, monkeypatch):
+    """The lean forward (fused products, the runner's attention and cache) over ragged,
+    packed, rolled-back schedules gives the family's own logits."""
+    monkeypatch.setattr(slot_cache, "MIN_SLOTS", 4)
+    _random_schedule(_build(model_class, config), seed=6, steps=30, long_feeds=True, lean=True)
 
 
 def test_window_changes_the_logits():

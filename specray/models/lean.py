@@ -1,0 +1,227 @@
+"""A Llama-family decoder's forward as plain tensor calls, for the runner's small forwards.
+
+A draft step feeds one token per row through a couple of layers; around its products,
+transformers' module dispatch and keyword plumbing cost about a tenth of the step on the shipped
+draft (timings in docs/bench/history.md, "A lean forward for the draft"). This forward
+computes the same function from the same modules' weights with the fewest calls: the q/k/v and
+gate/up products of a layer fused into one each, one RMSNorm kernel, rotary embeddings computed
+once per forward, attention through the attention function the model is configured with (the
+runner's grouped and packed SDPA), the cache written through :class:`SlotCache.update`.
+Weight-only int8 linears (models/int8.py) are fused the same way.
+
+It agrees with the model's own forward to float rounding (tests/unit/test_lean.py); the runner
+uses it for drafts, whose precision changes q but never the output's law (docs/design.md,
+section 1). Families whose layers hold more than this (q/k norms, per-layer rope switches) keep
+the model's forward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from specray.models.int8 import Int8Linear
+from specray.models.packing import KWARG
+
+LEAN_TYPES = {"llama", "mistral", "qwen2"}
+
+
+def _layer_linears(layer: nn.Module) -> list[list[nn.Module]]:
+    """A layer's linears in the groups the lean forward multiplies as one."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return [
+        [attention.q_proj, attention.k_proj, attention.v_proj],
+        [attention.o_proj],
+        [mlp.gate_proj, mlp.up_proj],
+        [mlp.down_proj],
+    ]
+
+
+def lean_eligible(model: nn.Module) -> bool:
+    """A decoder this module computes as transformers would: a supported family whose linears
+    are plain (``nn.Linear``, or :class:`Int8Linear` throughout a group; no hooks: a
+    tensor-parallel shard keeps the model's forward) and whose attention is a registered
+    function."""
+    config = model.config
+    if config.model_type not in LEAN_TYPES or not hasattr(model, "get_decoder"):
+        return False
+    decoder = model.get_decoder()
+    if not hasattr(decoder, "layers") or not hasattr(decoder, "rotary_emb"):
+        return False
+    if (config._attn_implementation or "eager") not in ALL_ATTENTION_FUNCTIONS:
+        return False
+    for layer in decoder.layers:
+        for group in _layer_linears(layer):
+            kinds = {type(linear) for linear in group}
+            if len(kinds) != 1 or kinds.pop() not in (nn.Linear, Int8Linear):
+                return False
+            if any(linear._forward_hooks or linear._forward_pre_hooks for linear in group):
+                return False
+    return True
+
+
+def _product(group: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One product computing ``group``'s outputs side by side (``[..., in] -> [..., sum of
+    out]``): a concatenated copy of their weights (a single linear's own weight)."""
+    if type(group[0]) is Int8Linear:
+        return (group[0] if len(group) == 1 else Int8Linear.side_by_side(group)).forward
+    if len(group) == 1:
+        weight, bias = group[0].weight.detach(), group[0].bias
+        return functools.partial(F.linear, weight=weight, bias=_detached(bias))
+    weight = torch.cat([linear.weight.detach() for linear in group])
+    bias = None
+    if any(linear.bias is not None for linear in group):
+        bias = torch.cat(
+            [
+                linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias
+                for linear in group
+            ]
+        ).detach()
+    return functools.partial(F.linear, weight=weight, bias=bias)
+
+
+def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach()
+
+
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Layer:
+    index: int
+    attention: nn.Module  # handed to the attention function, as the model does
+    input_norm: tuple[torch.Tensor, float]  # (weight [H], eps)
+    post_norm: tuple[torch.Tensor, float]
+    qkv: Product  # [..., H] -> [..., q + 2 kv]
+    splits: tuple[int, int, int]  # q, k, v widths
+    out: Product  # [..., q] -> [..., H]
+    gate_up: Product  # [..., H] -> [..., 2 I]
+    down: Product  # [..., I] -> [..., H]
+    act: Callable[[torch.Tensor], torch.Tensor]
+    mask_kind: str  # which mask of a per-layer-type dict this layer reads
+    extra: dict  # keyword arguments the family's attention passes (a sliding window)
+
+
+def _rms_norm(hidden: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """transformers' Llama RMSNorm: normalised in float32, scaled in the input's dtype."""
+    weight, eps = norm
+    normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=eps)
+    return weight * normed.to(hidden.dtype)
+
+
+def _rotated(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``[batch, heads, width, dim]`` at ``cos``/``sin`` ``[batch, 1, width,
+    dim]`` (the half-split convention of the Llama family)."""
+    half = states.shape[-1] // 2
+    rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+    return states * cos + rotated * sin
+
+
+class LeanDecoder:
+    """``decoder``'s forward (final-norm hidden states) from its modules' weights. The fused
+    weights are copies made once; the model's own forward keeps working beside it."""
+
+    def __init__(self, model: nn.Module):
+        if not lean_eligible(model):
+            raise ValueError(
+                f"model_type {model.config.model_type!r} has no lean forward: use one of "
+                f"{sorted(LEAN_TYPES)} with plain linears"
+            )
+        config = model.config
+        decoder = model.get_decoder()
+        self.embed = decoder.embed_tokens
+        self.rotary = decoder.rotary_emb
+        self.attend = ALL_ATTENTION_FUNCTIONS[config._attn_implementation or "eager"]
+        self.norm = (decoder.norm.weight.detach(), decoder.norm.variance_epsilon)
+        silu = config.hidden_act == "silu"
+        layer_types = getattr(config, "layer_types", None)
+        self.layers = []
+        for index, layer in enumerate(decoder.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            groups = _layer_linears(layer)
+            window = getattr(attention, "sliding_window", None)
+            self.layers.append(
+                _Layer(
+                    index=index,
+                    attention=attention,
+                    input_norm=(
+                        layer.input_layernorm.weight.detach(),
+                        layer.input_layernorm.variance_epsilon,
+                    ),
+                    post_norm=(
+                        layer.post_attention_layernorm.weight.detach(),
+                        layer.post_attention_layernorm.variance_epsilon,
+                    ),
+                    qkv=_product(groups[0]),
+                    splits=(
+                        attention.q_proj.out_features,
+                        attention.k_proj.out_features,
+                        attention.v_proj.out_features,
+                    ),
+                    out=_product(groups[1]),
+                    gate_up=_product(groups[2]),
+                    down=_product(groups[3]),
+                    act=F.silu if silu else mlp.act_fn,
+                    mask_kind=layer_types[index] if layer_types else "full_attention",
+                    extra={} if window is None else {"sliding_window": window},
+                )
+            )
+        self.head_dim = decoder.layers[0].self_attn.head_dim
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        masks,
+        cache,
+        packing=None,
+        *,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states ``[batch, width, H]`` after the final norm, for ``input_ids`` ``[batch,
+        width]`` (or ``inputs_embeds`` ``[batch, width, H]``) at ``positions`` ``[batch,
+        width]`` (packed: ``[1, T]`` with ``packing``); ``masks`` as the runner builds them (one
+        tensor, or {layer type: tensor}); ``cache`` the runner's :class:`SlotCache`."""
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary(hidden, position_ids=positions)  # [batch, width, dim] each
+        cos, sin = cos[:, None], sin[:, None]  # [batch, 1, width, dim]
+        extra = {} if packing is None else {KWARG: packing}
+        for layer in self.layers:
+            mask = masks[layer.mask_kind] if isinstance(masks, dict) else masks
+            hidden = hidden + self._attention(
+                layer, _rms_norm(hidden, layer.input_norm), cos, sin, mask, cache, extra
+            )
+            normed = _rms_norm(hidden, layer.post_norm)
+            gate, up = layer.gate_up(normed).chunk(2, dim=-1)
+            hidden = hidden + layer.down(layer.act(gate) * up)
+        return _rms_norm(hidden, self.norm)
+
+    def _attention(self, layer, normed, cos, sin, mask, cache, extra) -> torch.Tensor:
+        batch, width = normed.shape[:2]
+        q, k, v = layer.qkv(normed).split(layer.splits, dim=-1)
+        # [batch, width, heads * dim] -> [batch, heads, width, dim]
+        q = q.view(batch, width, -1, self.head_dim).transpose(1, 2)
+        k = k.view(batch, width, -1, self.head_dim).transpose(1, 2)
+        v = v.view(batch, width, -1, self.head_dim).transpose(1, 2)
+        q, k = _rotated(q, cos, sin), _rotated(k, cos, sin)
+        keys, values = cache.update(k, v, layer.index)
+        output, _ = self.attend(
+            layer.attention,
+            q,
+            keys,
+            values,
+            mask,
+            dropout=0.0,
+            scaling=layer.attention.scaling,
+            **layer.extra,
+            **extra,
+        )  # [batch, width, heads, dim]
+        return layer.out(output.reshape(batch, width, -1))
