@@ -116,3 +116,17 @@ def test_calibration_times_every_row(tiny_model):
     runner = ModelRunner(tiny_model, tune=False)
     runner.time_forward(4, 3, repeats=1)
     assert runner.tokens_shared == 0
+
+
+def test_twins_filling_the_slot_capacity_share_one_forward(tiny_model):
+    """Two rows fed the same prompt of exactly the cache's slot capacity (64): the copied
+    source spans whole rows, which torch refuses to write from a view of the same storage."""
+    prompt = [1 + index % (VOCAB - 1) for index in range(64)]
+    runner = ModelRunner(tiny_model)
+    logits = runner.forward({"a": prompt, "b": prompt}, {"a": 1, "b": 1})
+    assert runner.cache.slot_capacity == 64 and runner.tokens_shared == 64
+    expected = _reference_logits(_eager(tiny_model), prompt)[-1:]
+    for seq_id in "ab":
+        torch.testing.assert_close(logits[seq_id], expected, atol=1e-5, rtol=1e-5)
+    step = runner.forward({"a": [3], "b": [3]}, {"a": 1, "b": 1})
+    torch.testing.assert_close(step["a"], step["b"])
