@@ -132,6 +132,17 @@ class LogitsPipeline:
                 )
             self.grammar = grammars.matcher(*params.structured_outputs)
 
+    @property
+    def plain(self) -> bool:
+        """Its processed logits are the raw ones in float32: no bias, mask, penalty or
+        grammar (a greedy request's token is then the argmax of its raw logits)."""
+        return (
+            self.additive is None
+            and self.early_additive is None
+            and not self.uses_output_history
+            and self.grammar is None
+        )
+
     def device_parts(self, device: torch.device) -> _DeviceParts:
         """The static tensors on ``device``, built there once."""
         parts = self._device_parts.get(device)

@@ -96,3 +96,22 @@ def test_an_all_greedy_step_sends_the_point_masses_encoding_would():
     assert point_mass_rows([4, 0], VOCAB)[1] == encode_draft_probs(
         torch.eye(VOCAB)[:1], POINT_MASS_ENCODING
     )
+
+
+def test_a_greedy_request_whose_logits_are_processed_drafts_from_the_processed_ones():
+    """An all-greedy step of plain requests takes the raw argmax; one with a banned token
+    (or any bias, penalty, grammar) goes through its pipeline: the raw argmax banned, the
+    draft proposes the runner-up."""
+    prompt = [3, 7, 1, 9]
+    model = tiny_llama(VOCAB, 0)
+    raw = ModelRunner(model).forward({"r": prompt}, {"r": 1})["r"][0]  # [vocab]
+    first, second = raw.topk(2).indices.tolist()
+
+    def propose(params):
+        pipeline = LogitsPipeline(params, VOCAB)
+        drafter = ModelDrafter(ModelRunner(model), DraftProbsEncoding.parse("fp32"))
+        request = DraftRequest("r", prompt, [], pipeline, KeyedRandom(5), num_tokens=1)
+        return pipeline.plain, drafter.propose([request])[0].token_ids
+
+    assert propose(SamplingParams(temperature=0.0)) == (True, [first])
+    assert propose(SamplingParams(temperature=0.0, banned_token_ids=[first])) == (False, [second])
