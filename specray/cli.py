@@ -152,8 +152,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--drafters",
         metavar="all|A,B",
-        help="every drafter (ngram, self:bf16|fp16|int8, distilled:fp32|fp16, ngram+X...) on the "
-        "held-out prompts, each at its measured best k; --num-prompts defaults to 12 here",
+        help="every drafter (ngram, self:bf16|fp16|int8, distilled:fp32|fp16|int8, ngram+X...) "
+        "on the held-out prompts, each at its measured best k; --num-prompts defaults to 12 here",
     )
     bench.add_argument(
         "--pipelined-top",

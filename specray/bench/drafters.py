@@ -35,6 +35,7 @@ ALL_DRAFTERS = (
     "self:int8",
     "distilled:fp32",
     "distilled:fp16",
+    "distilled:int8",
     "ngram+distilled",
     "ngram+self:auto",
 )

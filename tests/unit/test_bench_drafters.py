@@ -35,7 +35,9 @@ def test_best_k_follows_acceptance_and_cost():
 
 
 def test_parse_drafters():
-    assert {"distilled:fp32", "distilled:fp16", "self:fp16"} <= set(parse_drafters("all"))
+    assert {"distilled:fp32", "distilled:fp16", "distilled:int8", "self:fp16"} <= set(
+        parse_drafters("all")
+    )
     assert parse_drafters("ngram, self:int8") == ("ngram", "self:int8")
     with pytest.raises(ValueError, match="drafters"):
         parse_drafters(",")

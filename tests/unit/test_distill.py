@@ -17,6 +17,7 @@ from specray.distill.pipeline import SUMMARY_FILE, resolve_config, run_distill
 from specray.distill.student import WEIGHTS_FILE, layer_sources, vocabulary_fingerprint
 from specray.drafters import VocabularyMismatchError
 from specray.engine import Engine
+from specray.models.int8 import Int8Linear
 from specray.sampling import SamplingParams
 from tests.helpers.tiny_models import save_tiny_chat_pair, tiny_llama
 
@@ -238,7 +239,7 @@ def test_background_run_writes_its_log_and_draft(tiny_target, tmp_path, capsys):
 SHIPPED_LIMIT_BYTES = 25_000_000  # the shipped draft's budget inside the package
 
 
-@pytest.mark.slow  # loads the default model three times
+@pytest.mark.slow  # loads the default model four times
 def test_shipped_draft_is_small_loads_and_keeps_greedy_identity(tmp_path):
     from specray.drafters import shipped_draft_dir
 
@@ -262,6 +263,15 @@ def test_shipped_draft_is_small_loads_and_keeps_greedy_identity(tmp_path):
     target_embed = half.target.model.get_input_embeddings().weight
     assert target_embed.dtype == torch.float32
     assert draft_model.get_input_embeddings().weight.data_ptr() == target_embed.data_ptr()
+    # In int8 (weight-only, bf16 rows) through the lean forward: the same greedy tokens.
+    quantized = Engine("default", draft="distilled:int8", num_speculative_tokens=2)
+    outputs = quantized.generate(PROMPTS, params)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0
+    runner = quantized.drafter.runner
+    assert runner._lean is not None
+    assert type(runner.model.get_decoder().layers[0].mlp.up_proj) is Int8Linear
+    assert runner.model.get_input_embeddings().weight.dtype == torch.float32  # the target's
     with pytest.raises(ValueError, match="distilled:int4"):
         Engine("default", draft="distilled:int4")
     other = tiny_llama(7, seed=0)
