@@ -5,6 +5,8 @@ coordinator with draft-ahead, and the tolerant path (rows dropped or late) stayi
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
@@ -37,6 +39,19 @@ def _feature_stats(engine) -> tuple[dict, dict]:
     )
 
 
+def _delivered_feature_stats(engine, timeout_s: float = 10.0) -> tuple[dict, dict]:
+    """:func:`_feature_stats` once the draft worker has every row the target sent: verdicts
+    reach it asynchronously, so the last one's rows may still be on their way when
+    ``generate`` returns."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        draft_stats, target_stats = _feature_stats(engine)
+        delivered = draft_stats["feature_bytes_received"] >= target_stats["feature_bytes_sent"]
+        if delivered or time.monotonic() > deadline:
+            return draft_stats, target_stats
+        time.sleep(0.05)
+
+
 def _reference(target_model):
     return Engine(target_model, draft=None).generate(PROMPTS, GREEDY)
 
@@ -55,7 +70,7 @@ def test_greedy_identity_and_the_features_arrive(cluster, tiny_pair, fc_draft_di
     try:
         assert engine.backend.feature_conditioned
         outputs = engine.generate(PROMPTS, GREEDY)
-        draft_stats, target_stats = _feature_stats(engine)
+        draft_stats, target_stats = _delivered_feature_stats(engine)
         wire_bytes = engine.engine_stats()["stats"]["draft_bytes"]
     finally:
         engine.shutdown()
