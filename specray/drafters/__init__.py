@@ -129,7 +129,7 @@ def _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encode
             raise ValueError(f"draft {draft!r}: the shipped draft is missing from {spec}")
     if spec in SELF_DRAFTS:
         loaded = _load_self_draft(spec, target, draft, device)
-        runner = ModelRunner(loaded.model, lean=True)
+        runner = ModelRunner(loaded.model)
         check_same_vocabulary(
             target.tokenizer, loaded.tokenizer, target_vocab_size, runner.vocab_size
         )
@@ -138,12 +138,12 @@ def _model_drafter(spec, draft, target, target_vocab_size, encoding, keep_encode
     elif is_distilled_draft(spec):  # checks the vocabulary against the target's itself
         draft_model = load_distilled(spec, target, target_vocab_size, distilled_dtype, device)
         draft_model = draft_model.to(device)  # embeddings shared with a target there stay put
-        runner = ModelRunner(draft_model, lean=True)
+        runner = ModelRunner(draft_model)
         if hasattr(draft_model, "embed_with_features"):  # marker: "feature_conditioned": true
             return FeatureDrafter(runner, encoding, keep_encoded=keep_encoded)
     else:
         loaded = load_model(spec, param="draft", device=device)
-        runner = ModelRunner(loaded.model, lean=True)
+        runner = ModelRunner(loaded.model)
         check_same_vocabulary(
             target.tokenizer, loaded.tokenizer, target_vocab_size, runner.vocab_size
         )

@@ -1,24 +1,27 @@
-"""A Llama-family decoder's forward as plain tensor calls, for the runner's small forwards.
+"""A Llama-family decoder's forward as plain tensor calls, for the runner's forwards.
 
-A draft step feeds one token per row through a couple of layers; around its products,
-transformers' module dispatch and keyword plumbing cost about a tenth of the step on the shipped
-draft (timings in docs/bench/history.md, "A lean forward for the draft"). This forward
-computes the same function from the same modules' weights with the fewest calls: the q/k/v and
-gate/up products of a layer fused into one each, one RMSNorm kernel, rotary embeddings computed
-once per forward, attention through the attention function the model is configured with (the
-runner's grouped and packed SDPA), the cache written through :class:`SlotCache.update`.
-Weight-only int8 linears (models/int8.py) are fused the same way.
+Around the products of a small forward (a draft step's one token per row, a decode step of a
+small target), transformers' module dispatch and keyword plumbing cost about a tenth of the
+step here (timings in docs/bench/history.md, "A lean forward for the draft"). This forward
+computes the same function from the same modules' weights with the fewest calls: one RMSNorm
+kernel, rotary embeddings computed once per forward, attention through the attention function
+the model is configured with (the runner's grouped and packed SDPA), the cache written through
+:class:`SlotCache.update`; a layer's q/k/v and gate/up products are fused into one each where
+the weights are plain or weight-only int8 (models/int8.py), and tuned linears
+(models/linears.py) run their own measured kernels.
 
-It agrees with the model's own forward to float rounding (tests/unit/test_lean.py); the runner
-uses it for drafts, whose precision changes q but never the output's law (docs/design.md,
-section 1). Families whose layers hold more than this (q/k norms, per-layer rope switches) keep
-the model's forward.
+It gives the model's own logits (to the bit here: fp32 with tuned linears on the target, fp16 and
+int8 on the shipped draft; tests/unit/test_runner.py checks it against recomputation), and the
+runner computes through it wherever a family has one: a target step of the bundled model took
+about 7 % less. Families whose layers hold more than this (q/k norms, per-layer rope switches),
+tensor-parallel shards (their all-reduce is a hook) and batch-invariant runners keep the model's
+forward.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +30,13 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specray.models.int8 import Int8Linear
+from specray.models.linears import TunedLinear
 from specray.models.packing import KWARG
 
 LEAN_TYPES = {"llama", "mistral", "qwen2"}
+LINEAR_TYPES = (nn.Linear, Int8Linear, TunedLinear)
+Product = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out]
+GroupProduct = Callable[[torch.Tensor], Sequence[torch.Tensor]]  # one output per linear
 
 
 def _layer_linears(layer: nn.Module) -> list[list[nn.Module]]:
@@ -45,7 +52,8 @@ def _layer_linears(layer: nn.Module) -> list[list[nn.Module]]:
 
 def lean_eligible(model: nn.Module) -> bool:
     """A decoder this module computes as transformers would: a supported family whose linears
-    are plain (``nn.Linear``, or :class:`Int8Linear` throughout a group; no hooks: a
+    are plain (``nn.Linear``, :class:`Int8Linear` or :class:`TunedLinear`, one kind per
+    group; no hooks: a
     tensor-parallel shard keeps the model's forward) and whose attention is a registered
     function."""
     config = model.config
@@ -59,38 +67,48 @@ def lean_eligible(model: nn.Module) -> bool:
     for layer in decoder.layers:
         for group in _layer_linears(layer):
             kinds = {type(linear) for linear in group}
-            if len(kinds) != 1 or kinds.pop() not in (nn.Linear, Int8Linear):
+            if len(kinds) != 1 or kinds.pop() not in LINEAR_TYPES:
                 return False
             if any(linear._forward_hooks or linear._forward_pre_hooks for linear in group):
                 return False
     return True
 
 
-def _product(group: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """One product computing ``group``'s outputs side by side (``[..., in] -> [..., sum of
-    out]``): a concatenated copy of their weights (a single linear's own weight)."""
+def _single(linear: nn.Module) -> Product:
+    """``linear``'s product: ``F.linear`` on a plain one's weight, else its own forward (an
+    int8 or a tuned linear runs its kernel)."""
+    if type(linear) is nn.Linear:
+        return functools.partial(
+            F.linear, weight=linear.weight.detach(), bias=_detached(linear.bias)
+        )
+    return linear.forward
+
+
+def _side_by_side(group: list[nn.Module]) -> GroupProduct:
+    """``group``'s outputs for one input: one product over a concatenated copy of their
+    weights (plain or int8 linears), or each tuned linear's own (its kernel plan is per
+    matrix, measured on this machine)."""
+    if type(group[0]) is TunedLinear:
+        forwards = [linear.forward for linear in group]
+        return lambda inputs: [forward(inputs) for forward in forwards]
+    sizes = [linear.out_features for linear in group]
     if type(group[0]) is Int8Linear:
-        return (group[0] if len(group) == 1 else Int8Linear.side_by_side(group)).forward
-    if len(group) == 1:
-        weight, bias = group[0].weight.detach(), group[0].bias
-        return functools.partial(F.linear, weight=weight, bias=_detached(bias))
-    weight = torch.cat([linear.weight.detach() for linear in group])
-    bias = None
-    if any(linear.bias is not None for linear in group):
-        bias = torch.cat(
-            [
-                linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias
-                for linear in group
+        fused = Int8Linear.side_by_side(group).forward
+    else:
+        weight = torch.cat([linear.weight.detach() for linear in group])
+        bias = None
+        if any(linear.bias is not None for linear in group):
+            zeros = [linear.weight.new_zeros(linear.out_features) for linear in group]
+            biases = [
+                z if lin.bias is None else lin.bias for z, lin in zip(zeros, group, strict=True)
             ]
-        ).detach()
-    return functools.partial(F.linear, weight=weight, bias=bias)
+            bias = torch.cat(biases).detach()
+        fused = functools.partial(F.linear, weight=weight, bias=bias)
+    return lambda inputs: fused(inputs).split(sizes, dim=-1)
 
 
 def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach()
-
-
-Product = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -99,10 +117,9 @@ class _Layer:
     attention: nn.Module  # handed to the attention function, as the model does
     input_norm: tuple[torch.Tensor, float]  # (weight [H], eps)
     post_norm: tuple[torch.Tensor, float]
-    qkv: Product  # [..., H] -> [..., q + 2 kv]
-    splits: tuple[int, int, int]  # q, k, v widths
+    qkv: GroupProduct  # [..., H] -> ([..., q], [..., kv], [..., kv])
     out: Product  # [..., q] -> [..., H]
-    gate_up: Product  # [..., H] -> [..., 2 I]
+    gate_up: GroupProduct  # [..., H] -> ([..., I], [..., I])
     down: Product  # [..., I] -> [..., H]
     act: Callable[[torch.Tensor], torch.Tensor]
     mask_kind: str  # which mask of a per-layer-type dict this layer reads
@@ -159,15 +176,10 @@ class LeanDecoder:
                         layer.post_attention_layernorm.weight.detach(),
                         layer.post_attention_layernorm.variance_epsilon,
                     ),
-                    qkv=_product(groups[0]),
-                    splits=(
-                        attention.q_proj.out_features,
-                        attention.k_proj.out_features,
-                        attention.v_proj.out_features,
-                    ),
-                    out=_product(groups[1]),
-                    gate_up=_product(groups[2]),
-                    down=_product(groups[3]),
+                    qkv=_side_by_side(groups[0]),
+                    out=_single(attention.o_proj),
+                    gate_up=_side_by_side(groups[2]),
+                    down=_single(mlp.down_proj),
                     act=F.silu if silu else mlp.act_fn,
                     mask_kind=layer_types[index] if layer_types else "full_attention",
                     extra={} if window is None else {"sliding_window": window},
@@ -200,13 +212,13 @@ class LeanDecoder:
                 layer, _rms_norm(hidden, layer.input_norm), cos, sin, mask, cache, extra
             )
             normed = _rms_norm(hidden, layer.post_norm)
-            gate, up = layer.gate_up(normed).chunk(2, dim=-1)
+            gate, up = layer.gate_up(normed)
             hidden = hidden + layer.down(layer.act(gate) * up)
         return _rms_norm(hidden, self.norm)
 
     def _attention(self, layer, normed, cos, sin, mask, cache, extra) -> torch.Tensor:
         batch, width = normed.shape[:2]
-        q, k, v = layer.qkv(normed).split(layer.splits, dim=-1)
+        q, k, v = layer.qkv(normed)
         # [batch, width, heads * dim] -> [batch, heads, width, dim]
         q = q.view(batch, width, -1, self.head_dim).transpose(1, 2)
         k = k.view(batch, width, -1, self.head_dim).transpose(1, 2)

@@ -101,14 +101,15 @@ class ModelRunner:
         tune: bool = True,
         batch_invariant: bool = False,
         pack: bool = True,
-        lean: bool = False,
+        lean: bool = True,
     ):
         """``batch_invariant``: a token's logits bitwise the same whatever else its forward
         holds (models/batch_invariant.py); no kernel tuning then. ``pack``: rows fed different
         numbers of tokens run packed (models/packing.py); off, every row is padded to the
         longest (benchmarks compare the two). ``lean``: run the decoder through
-        :class:`~specray.models.lean.LeanDecoder` where the family has one (drafts: the same
-        function to float rounding, without transformers' per-module dispatch)."""
+        :class:`~specray.models.lean.LeanDecoder` where the family has one (the same logits
+        without transformers' per-module dispatch; off, the model's own forward: tests compare
+        the two)."""
         config = model.config
         if config.model_type not in SUPPORTED_TYPES:
             raise ValueError(
@@ -137,8 +138,6 @@ class ModelRunner:
         plain_head = config.model_type in PLAIN_HEAD_TYPES and getattr(head, "bias", None) is None
         self._decoder = model.get_decoder() if plain_head else None
         self._head = head if plain_head else None
-        use_lean = lean and plain_head and not batch_invariant and lean_eligible(model)
-        self._lean = LeanDecoder(model) if use_lean else None
         # Kernels and row padding for small-batch products chosen by timing this machine
         # (models/linears.py): a 1-token step and a (k+1)-token verification then cost about
         # the same, as memory-bound products should.
@@ -146,6 +145,9 @@ class ModelRunner:
         tune = tune and on_cpu  # (the kernels it chooses between are the CPU's)
         self.linear_tuning = tune_decoder_linears(decoder) if tune and decoder else None
         self._tuned_head = tune_head(head) if tune and plain_head else None
+        # After tuning: the lean forward calls the tuned linears it finds.
+        use_lean = lean and plain_head and not batch_invariant and lean_eligible(model)
+        self._lean = LeanDecoder(model) if use_lean else None
         self.head_s = 0.0  # seconds in the head (logits), over the runner's life: benchmarks
         self.tokens_fed = 0  # tokens run through forwards, over the runner's life: metrics
         self.tokens_shared = 0  # tokens fed but copied from a row computing the same (life)

@@ -40,8 +40,10 @@ def _rows_through_the_mlp(runner, model) -> list[int]:
 
 def test_a_prompt_beside_decoding_rows_computes_only_the_fed_tokens():
     model = _model()
-    packed_rows, packed = _rows_through_the_mlp(ModelRunner(model), model)
-    padded_rows, padded = _rows_through_the_mlp(ModelRunner(model, pack=False), model)
+    # The model's own forward (lean=False): the count is a hook on its MLP's linear, which the
+    # lean forward's fused product does not call (it runs the same rows: test_runner.py).
+    packed_rows, packed = _rows_through_the_mlp(ModelRunner(model, lean=False), model)
+    padded_rows, padded = _rows_through_the_mlp(ModelRunner(model, pack=False, lean=False), model)
     fed = sum(len(feed) for feed in FEEDS.values())  # 46
     assert packed_rows == [fed]
     assert padded_rows == [len(FEEDS) * 40]  # the control: every row padded to the prompt

@@ -72,11 +72,12 @@ class _Counting:
 
 
 def _random_schedule(
-    model, seed: int, steps: int = 50, long_feeds: bool = False, lean: bool = False
+    model, seed: int, steps: int = 50, long_feeds: bool = False, lean: bool = True
 ) -> None:
     """``long_feeds``: some feeds are prompt-sized (10-40 tokens) beside the others' few, so
     packed forwards split into several attention segments (models/packing.py). ``lean``: the
-    runner computes through its lean decoder (models/lean.py)."""
+    runner computes through its lean decoder (models/lean.py, the default), else through the
+    model's own forward."""
     reference = _eager(model)
     runner = ModelRunner(model, lean=lean)
     assert (runner._lean is not None) == lean
@@ -153,11 +154,11 @@ def test_sliding_windows_match_the_family(model_class, config, monkeypatch):
     [(LlamaForCausalLM, LlamaConfig(**TINY)), *WINDOWED_FAMILIES],
     ids=["llama", *WINDOWED_IDS],
 )
-def test_lean_decoder_matches_recompute(model_class, config, monkeypatch):
-    """The lean forward (fused products, the runner's attention and cache) over ragged,
-    packed, rolled-back schedules gives the family's own logits."""
+def test_the_models_own_forward_matches_recompute(model_class, config, monkeypatch):
+    """With ``lean=False`` (and for families without a lean forward) the runner calls the
+    model's own decoder: the same schedules give the family's logits through it."""
     monkeypatch.setattr(slot_cache, "MIN_SLOTS", 4)
-    _random_schedule(_build(model_class, config), seed=6, steps=30, long_feeds=True, lean=True)
+    _random_schedule(_build(model_class, config), seed=6, steps=30, long_feeds=True, lean=False)
 
 
 def test_window_changes_the_logits():
