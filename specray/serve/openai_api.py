@@ -85,21 +85,24 @@ def _is_json_type(content_type: str) -> bool:
     return media_type == "application/json" or media_type.endswith("+json")
 
 
+def _too_large(limit_bytes: int) -> HttpError:
+    return HttpError(413, f"the request body exceeds {limit_bytes} bytes")
+
+
 async def read_json(request: Request, limit_bytes: int = MAX_BODY_BYTES):
     """The JSON body, refused early when too large (Content-Length, then bytes as they come).
     A body without a Content-Type is read as JSON (as FastAPI does); another type is 415."""
     content_type = request.headers.get("content-type")
     if content_type is not None and not _is_json_type(content_type):
         raise HttpError(415, f"Content-Type must be application/json, got {content_type!r}")
-    too_large = HttpError(413, f"the request body exceeds {limit_bytes} bytes")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit_bytes:
-        raise too_large
+        raise _too_large(limit_bytes)
     body = bytearray()
     async for piece in request.stream():
         body += piece
         if len(body) > limit_bytes:
-            raise too_large
+            raise _too_large(limit_bytes)
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, bad UTF-8; deep nesting
