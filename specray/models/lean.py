@@ -6,8 +6,8 @@ step here (timings in docs/bench/history.md, "A lean forward for the draft"). Th
 computes the same function from the same modules' weights with the fewest calls: one RMSNorm
 kernel, rotary embeddings computed once per forward, attention through the attention function
 the model is configured with (the runner's grouped and packed SDPA), the cache written through
-:class:`SlotCache.update`; a layer's q/k/v and gate/up products are fused into one each where
-the weights are plain or weight-only int8 (models/int8.py), and tuned linears
+:class:`SlotCache.update`. In a small decoder (a draft) a layer's q/k/v and gate/up products
+are fused into one each, plain or weight-only int8 (models/int8.py); tuned linears
 (models/linears.py) run their own measured kernels.
 
 It gives the model's own logits (to the bit here: fp32 with tuned linears on the target, fp16 and
@@ -35,6 +35,10 @@ from specray.models.packing import KWARG
 
 LEAN_TYPES = {"llama", "mistral", "qwen2"}
 LINEAR_TYPES = (nn.Linear, Int8Linear, TunedLinear)
+# Fused q/k/v and gate/up products are copies of the weights: made only for a decoder this
+# small (a draft), where a call's overhead is the size of its product. A large model's
+# products dwarf that overhead, and a second copy of its weights may not fit beside it.
+MAX_FUSED_BYTES = 64 * 2**20
 Product = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out]
 GroupProduct = Callable[[torch.Tensor], Sequence[torch.Tensor]]  # one output per linear
 
@@ -52,10 +56,9 @@ def _layer_linears(layer: nn.Module) -> list[list[nn.Module]]:
 
 def lean_eligible(model: nn.Module) -> bool:
     """A decoder this module computes as transformers would: a supported family whose linears
-    are plain (``nn.Linear``, :class:`Int8Linear` or :class:`TunedLinear`, one kind per
-    group; no hooks: a
-    tensor-parallel shard keeps the model's forward) and whose attention is a registered
-    function."""
+    are plain (``nn.Linear``, :class:`Int8Linear` or :class:`TunedLinear`, one kind per group;
+    no hooks: a tensor-parallel shard keeps the model's forward) and whose attention is a
+    registered function."""
     config = model.config
     if config.model_type not in LEAN_TYPES or not hasattr(model, "get_decoder"):
         return False
@@ -84,13 +87,13 @@ def _single(linear: nn.Module) -> Product:
     return linear.forward
 
 
-def _side_by_side(group: list[nn.Module]) -> GroupProduct:
-    """``group``'s outputs for one input: one product over a concatenated copy of their
-    weights (plain or int8 linears), or each tuned linear's own (its kernel plan is per
-    matrix, measured on this machine)."""
-    if type(group[0]) is TunedLinear:
-        forwards = [linear.forward for linear in group]
-        return lambda inputs: [forward(inputs) for forward in forwards]
+def _side_by_side(group: list[nn.Module], fuse: bool) -> GroupProduct:
+    """``group``'s outputs for one input. ``fuse``: one product over a concatenated copy of
+    their weights (plain or int8 linears); otherwise, and always for tuned linears (each
+    matrix's kernel plan is measured on this machine), each linear's own product."""
+    if not fuse or type(group[0]) is TunedLinear:
+        products = [_single(linear) for linear in group]
+        return lambda inputs: [product(inputs) for product in products]
     sizes = [linear.out_features for linear in group]
     if type(group[0]) is Int8Linear:
         fused = Int8Linear.side_by_side(group).forward
@@ -105,6 +108,15 @@ def _side_by_side(group: list[nn.Module]) -> GroupProduct:
             bias = torch.cat(biases).detach()
         fused = functools.partial(F.linear, weight=weight, bias=bias)
     return lambda inputs: fused(inputs).split(sizes, dim=-1)
+
+
+def _weight_bytes(decoder: nn.Module) -> int:
+    return sum(
+        linear.weight.numel() * linear.weight.element_size()
+        for layer in decoder.layers
+        for group in _layer_linears(layer)
+        for linear in group
+    )
 
 
 def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -159,6 +171,7 @@ class LeanDecoder:
         self.norm = (decoder.norm.weight.detach(), decoder.norm.variance_epsilon)
         silu = config.hidden_act == "silu"
         layer_types = getattr(config, "layer_types", None)
+        fuse = _weight_bytes(decoder) <= MAX_FUSED_BYTES
         self.layers = []
         for index, layer in enumerate(decoder.layers):
             attention, mlp = layer.self_attn, layer.mlp
@@ -176,9 +189,9 @@ class LeanDecoder:
                         layer.post_attention_layernorm.weight.detach(),
                         layer.post_attention_layernorm.variance_epsilon,
                     ),
-                    qkv=_side_by_side(groups[0]),
+                    qkv=_side_by_side(groups[0], fuse),
                     out=_single(attention.o_proj),
-                    gate_up=_side_by_side(groups[2]),
+                    gate_up=_side_by_side(groups[2], fuse),
                     down=_single(mlp.down_proj),
                     act=F.silu if silu else mlp.act_fn,
                     mask_kind=layer_types[index] if layer_types else "full_attention",

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from specray.models import lean
 from specray.models.int8 import (
     ACTIVATION_DTYPE,
     Int8Linear,
@@ -107,3 +108,28 @@ def test_models_the_lean_forward_does_not_cover_keep_their_own():
     hooked.model.layers[0].mlp.down_proj.register_forward_hook(lambda *args: None)
     assert not lean_eligible(hooked)  # a tensor-parallel shard's all-reduce lives in a hook
     assert lean_eligible(_llama())
+
+
+def test_a_decoder_too_large_to_copy_runs_each_product_on_its_own_weights(monkeypatch):
+    """Above MAX_FUSED_BYTES the q/k/v and gate/up products are not fused: no weight is
+    concatenated (a small decoder's are: the control), and the logits are the model's own."""
+    model = _llama(seed=3)
+    concatenated = []
+    cat = torch.cat
+    monkeypatch.setattr(
+        torch, "cat", lambda *args, **kw: concatenated.append(1) or cat(*args, **kw)
+    )
+    lean.LeanDecoder(model)
+    fused_cats = len(concatenated)
+    monkeypatch.setattr(lean, "MAX_FUSED_BYTES", 0)
+    concatenated.clear()
+    lean.LeanDecoder(model)
+    assert fused_cats == 2 * TINY_DECODER["num_hidden_layers"] and concatenated == []
+    monkeypatch.setattr(torch, "cat", cat)
+    separate, plain = ModelRunner(model), ModelRunner(model, lean=False)
+    assert separate._lean is not None
+    for feed in ({"a": [1, 2, 3, 4], "b": [5, 6]}, {"a": [7], "b": [8]}):
+        wanted = {seq_id: len(tokens) for seq_id, tokens in feed.items()}
+        got, expected = separate.forward(feed, wanted), plain.forward(feed, wanted)
+        for seq_id in feed:
+            torch.testing.assert_close(got[seq_id], expected[seq_id], atol=1e-6, rtol=1e-6)
