@@ -173,11 +173,20 @@ def _time_pass(linears: Sequence[TunedLinear], kernel: str, rows: int) -> float:
     inputs = {
         lin.in_features: torch.randn(rows, lin.in_features).to(lin.weight.dtype) for lin in linears
     }
-    best = float("inf")
-    for attempt in range(CALIBRATION_REPEATS + 1):  # the first pass warms up
-        started = time.perf_counter()
+
+    def one_pass() -> None:
         for linear in linears:
             linear.run(inputs[linear.in_features], kernel)
+
+    return _best_of(one_pass)
+
+
+def _best_of(one_pass) -> float:
+    """Best-of-``CALIBRATION_REPEATS`` seconds of ``one_pass()``, after one pass to warm up."""
+    best = float("inf")
+    for attempt in range(CALIBRATION_REPEATS + 1):
+        started = time.perf_counter()
+        one_pass()
         if attempt:
             best = min(best, time.perf_counter() - started)
     return best
@@ -259,14 +268,12 @@ def _time_int8_pass(shapes: Sequence[tuple[int, int]]) -> float:
             Int8Linear.from_linear(linear) if packable(width) else linear.to(ACTIVATION_DTYPE)
         )
     inputs = {width: torch.randn(1, width, dtype=ACTIVATION_DTYPE) for _, width in shapes}
-    best = float("inf")
-    for attempt in range(CALIBRATION_REPEATS + 1):  # the first pass warms up
-        started = time.perf_counter()
+
+    def one_pass() -> None:
         for module, (_, width) in zip(modules, shapes, strict=True):
             module(inputs[width])
-        if attempt:
-            best = min(best, time.perf_counter() - started)
-    return best
+
+    return _best_of(one_pass)
 
 
 def fastest_row_dtype(
