@@ -290,7 +290,7 @@ class TargetWorker:
             )
         )
         forward_s = self.core.forward_s - forward_before
-        results = []
+        results, finished = [], []
         for item, state in zip(items, states, strict=True):
             start = scored[state.request_id]
             prompt_logprobs = tuple(state.prompt_logprobs[start:])
@@ -325,7 +325,10 @@ class TargetWorker:
                 )
             results.append(result)
             if state.finish_reason:
-                self.release([state.request_id])
+                finished.append(state.request_id)
+        # One release for the round: freeing a row compacts the cache rows after it, so each
+        # request freed on its own would move the rows behind it again.
+        self.release(finished)
         service_s = time.perf_counter() - entered
         return RoundReport(
             self.rounds.ended(round_.items, results, ended),
