@@ -37,6 +37,7 @@ from specray.models.packing import (
     should_pack,
     use_packed_attention,
 )
+from specray.models.row_blocks import Block, note_block, partition, refill
 from specray.models.shared_rows import Histories, trailing, widened
 from specray.models.slot_cache import SlotCache
 
@@ -155,6 +156,7 @@ class ModelRunner:
         self.cache: SlotCache | None = None
         self.seq_ids: list[Hashable] = []  # row order of the cache
         self.lengths: list[int] = []  # tokens cached per row (slots 0 .. length - 1)
+        self._blocks: list[Block] = []  # rows the latest forwards ran together (row_blocks.py)
 
     # ---- bookkeeping -------------------------------------------------------------------
     def __contains__(self, seq_id: Hashable) -> bool:
@@ -183,14 +185,16 @@ class ModelRunner:
         if not drop:
             return
         self.histories.forget(list(drop))
-        keep = [row for row, seq_id in enumerate(self.seq_ids) if seq_id not in drop]
-        if not keep:
-            self.cache, self.seq_ids, self.lengths = None, [], []
+        freed = {row for row, seq_id in enumerate(self.seq_ids) if seq_id in drop}
+        if len(freed) == len(self.seq_ids):
+            self.cache, self.seq_ids, self.lengths, self._blocks = None, [], [], []
             return
-        self.cache.reorder(keep, self.num_slots)
-        self.seq_ids = [self.seq_ids[row] for row in keep]
-        self.lengths = [self.lengths[row] for row in keep]
-        self.cache.trim(len(keep), self.num_slots)
+        # A few rows move, and rows that ran together stay together (models/row_blocks.py).
+        order, self._blocks = refill(partition(self._blocks, len(self.seq_ids)), freed)
+        self.cache.reorder(order, self.num_slots)
+        self.seq_ids = [self.seq_ids[row] for row in order]
+        self.lengths = [self.lengths[row] for row in order]
+        self.cache.trim(len(order), self.num_slots)
 
     def rollback(self, seq_id: Hashable, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` cached tokens of a sequence (a rejected suffix)."""
@@ -344,6 +348,7 @@ class ModelRunner:
         end = max(lengths) + width  # slots attended over
         self.cache.reserve(len(self.seq_ids), end, len(self.seq_ids), self.num_slots)
         first = self._place_together(rows)
+        self._blocks = note_block(self._blocks, (first, first + len(rows)))
         fed = [counts[seq_id] for seq_id in running]
         packing = None
         if self._packs and should_pack(fed):  # ragged rows: run the fed tokens only
@@ -471,6 +476,7 @@ class ModelRunner:
             return rows[0]
         chosen = set(rows)
         order = rows + [row for row in range(len(self.seq_ids)) if row not in chosen]
+        self._blocks = []  # the rows moved: the blocks before say nothing now
         self.cache.reorder(order, self.num_slots)
         self.seq_ids = [self.seq_ids[row] for row in order]
         self.lengths = [self.lengths[row] for row in order]

@@ -149,18 +149,19 @@ class SlotCache:
     @torch.inference_mode()
     def reorder(self, order: list[int], used_slots: int) -> None:
         """Row i becomes old row ``order[i]`` (for ``i < len(order)``; rows after are free).
-        Rows already in place are not copied."""
-        start = next((i for i, row in enumerate(order) if row != i), len(order))
-        if start == len(order):
+        Only the rows that change are copied."""
+        changed = [i for i, row in enumerate(order) if row != i]
+        if not changed or not self.layers:
             return
-        if not self.layers:
-            return
-        index = torch.tensor(order[start:], device=self.layers[0].keys.device)
+        device = self.layers[0].keys.device
+        # [moved] each: where the moved rows go, and where they come from
+        targets = torch.tensor(changed, device=device)
+        sources = torch.tensor([order[i] for i in changed], device=device)
         for layer in self.layers:
             for name in ("keys", "values"):
-                stored = getattr(layer, name)
-                moved = stored[:, :, :used_slots].index_select(0, index)  # a copy: rows overlap
-                stored[start : len(order), :, :used_slots] = moved
+                stored = getattr(layer, name)[:, :, :used_slots]  # [rows, kv_heads, used, dim]
+                # index_select copies first: a row may be read after another moved onto it
+                stored[targets] = stored.index_select(0, sources)
 
     @torch.inference_mode()
     def copy_slots(self, source_row: int, rows: list[int], start: int, stop: int) -> None:

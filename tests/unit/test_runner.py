@@ -209,6 +209,17 @@ def test_memory_is_given_back_after_a_long_sequence_leaves(tiny_model):
     torch.testing.assert_close(runner.forward({"short": [3]}, {"short": 1})["short"], expected)
 
 
+def _take_turns(runner, reference, sequences, halves, *, first_token: int, turns: int):
+    """Two micro-batches taking turns, one token each a turn, checked against recomputation."""
+    for turn in range(turns):
+        feed = {seq_id: [first_token + turn] for seq_id in halves[turn % 2]}
+        logits = runner.forward(feed, dict.fromkeys(feed, 1))
+        for seq_id, tokens in feed.items():
+            sequences[seq_id] += tokens
+            expected = _reference_logits(reference, sequences[seq_id])[-1:]
+            torch.testing.assert_close(logits[seq_id], expected, atol=1e-5, rtol=1e-5)
+
+
 def test_only_the_rows_fed_run_as_one_block(tiny_model, monkeypatch):
     """A forward over some sequences computes only their rows (a prefill beside decoding
     requests, or one micro-batch of two, does not pay for the others as padding), and two
@@ -227,14 +238,58 @@ def test_only_the_rows_fed_run_as_one_block(tiny_model, monkeypatch):
         sequences["new"] = list(range(1, 20))
         runner.forward({"new": sequences["new"]}, {"new": 1})  # a prefill beside 6 others
         halves = (["d0", "d2", "d4"], ["d1", "d3", "d5", "new"])
-        for turn in range(6):
-            feed = {seq_id: [4 + turn] for seq_id in halves[turn % 2]}
-            logits = runner.forward(feed, dict.fromkeys(feed, 1))
-            for seq_id, tokens in feed.items():
-                sequences[seq_id] += tokens
-                expected = _reference_logits(reference, sequences[seq_id])[-1:]
-                torch.testing.assert_close(logits[seq_id], expected, atol=1e-5, rtol=1e-5)
+        _take_turns(runner, reference, sequences, halves, first_token=4, turns=6)
     finally:
         hook.remove()
     assert batch_sizes == [6, 1, 3, 4, 3, 4, 3, 4]
     assert counts.moves == 1, "the micro-batches should be placed once, then stay blocks"
+
+
+def _rows_copied(monkeypatch) -> list[int]:
+    """Rows each cache reorder copies."""
+    copied, reorder = [], SlotCache.reorder
+
+    def counting(cache, order, used_slots):
+        copied.append(sum(row != i for i, row in enumerate(order)))
+        reorder(cache, order, used_slots)
+
+    monkeypatch.setattr(SlotCache, "reorder", counting)
+    return copied
+
+
+def test_the_oldest_sequence_leaving_moves_one_row(tiny_model, monkeypatch):
+    """After a forward over every row, a freed row is filled from the end (closing the gap
+    would copy every row after it); the sequences' logits stay those of recomputation."""
+    reference = _eager(tiny_model)
+    runner = ModelRunner(tiny_model)
+    sequences = {f"s{i}": [1 + i, 2, 3] for i in range(8)}
+    runner.forward(dict(sequences), {})
+    copied = _rows_copied(monkeypatch)
+    runner.remove(["s0"])
+    del sequences["s0"]
+    assert copied == [1] and runner.seq_ids[0] == "s7"
+    feed = {seq_id: [5] for seq_id in sequences}
+    logits = runner.forward(feed, dict.fromkeys(feed, 1))
+    assert copied == [1], "the rows left are one block: the forward moves none"
+    for seq_id, tokens in sequences.items():
+        expected = _reference_logits(reference, [*tokens, 5])[-1:]
+        torch.testing.assert_close(logits[seq_id], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_micro_batches_stay_blocks_when_their_sequences_leave(tiny_model, monkeypatch):
+    """Two micro-batches taking turns lose a sequence each: a few rows move, and each
+    micro-batch is still one block, so their next turns move none."""
+    reference = _eager(tiny_model)
+    runner = ModelRunner(tiny_model)
+    halves = ([f"a{i}" for i in range(4)], [f"b{i}" for i in range(4)])
+    sequences = {seq_id: [2, 3 + n] for n, seq_id in enumerate(halves[0] + halves[1])}
+    for half in halves:
+        runner.forward({seq_id: sequences[seq_id] for seq_id in half}, {})
+    copied = _rows_copied(monkeypatch)
+    runner.remove(["a1", "b0"])
+    for half, gone in zip(halves, ("a1", "b0"), strict=True):
+        half.remove(gone)
+        del sequences[gone]
+    assert copied == [3]  # a3 into a1's row, then b2 and b3 to the front of b's block
+    _take_turns(runner, reference, sequences, halves, first_token=7, turns=4)
+    assert copied == [3], "each micro-batch is one block: no turn moves rows"
