@@ -153,10 +153,10 @@ class SlotCache:
         changed = [i for i, row in enumerate(order) if row != i]
         if not changed or not self.layers:
             return
-        device = self.layers[0].keys.device
-        # [moved] each: where the moved rows go, and where they come from
-        targets = torch.tensor(changed, device=device)
-        sources = torch.tensor([order[i] for i in changed], device=device)
+        # [2, moved], one transfer: where the moved rows go, and where they come from
+        targets, sources = torch.tensor(
+            [changed, [order[i] for i in changed]], device=self.layers[0].keys.device
+        )
         for layer in self.layers:
             for name in ("keys", "values"):
                 stored = getattr(layer, name)[:, :, :used_slots]  # [rows, kv_heads, used, dim]
