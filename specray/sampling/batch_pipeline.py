@@ -181,6 +181,8 @@ class BatchLogitsPipeline:
         :meth:`LogitsPipeline.probs` give."""
         if not logits:
             return []
+        if all(pipeline.params.greedy and pipeline.plain for pipeline in pipelines):
+            return _raw_argmax(logits, candidate_token_ids)
         metadata = SamplingMetadata.build(
             pipelines,
             [part.shape[0] for part in logits],
@@ -404,11 +406,7 @@ def _check(pipelines, num_rows, output_token_ids, candidate_token_ids) -> None:
     for rows, candidates, output, pipeline in zip(
         num_rows, candidate_token_ids, output_token_ids, pipelines, strict=True
     ):
-        if rows < 1 or not rows - 1 <= len(candidates) <= rows:
-            raise ValueError(
-                f"{rows} logits rows need {rows - 1} candidate tokens (or {rows}), "
-                f"got {len(candidates)}"
-            )
+        _check_rows(rows, candidates)
         for name, ids in (("candidate_token_ids", candidates), ("output_token_ids", output)):
             if ids and (min(ids) < 0 or max(ids) >= pipeline.vocab_size):
                 raise ValueError(
@@ -548,3 +546,24 @@ def _runs(values: list[int]) -> tuple[tuple[int, int, int], ...]:
     """Runs of consecutive values: (first position, first value, length) each."""
     runs = (list(run) for _, run in groupby(enumerate(values), lambda pair: pair[1] - pair[0]))
     return tuple((run[0][0], run[0][1], len(run)) for run in runs)
+
+
+def _raw_argmax(
+    logits: Sequence[torch.Tensor], candidate_token_ids: Sequence[Sequence[int]]
+) -> list[torch.Tensor]:
+    """Requests whose logits nothing processes (greedy, :attr:`LogitsPipeline.plain`): each
+    one's argmax ids ``[n_i]`` of its raw rows, what the whole pass gives them, without
+    building it (its metadata is host work every round)."""
+    sizes = [rows.shape[0] for rows in logits]
+    for rows, candidates in zip(sizes, candidate_token_ids, strict=True):
+        _check_rows(rows, candidates)
+    flat = consecutive_rows(logits)  # [R, vocab], read in place
+    return list(row_argmax(flat if flat is not None else torch.cat(list(logits))).split(sizes))
+
+
+def _check_rows(rows: int, candidates: Sequence[int]) -> None:
+    if rows < 1 or not rows - 1 <= len(candidates) <= rows:
+        raise ValueError(
+            f"{rows} logits rows need {rows - 1} candidate tokens (or {rows}), "
+            f"got {len(candidates)}"
+        )

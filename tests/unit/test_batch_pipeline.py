@@ -353,3 +353,32 @@ def test_top_k_groups_are_bit_identical_to_the_reference(vocab_size):
     for request, pipeline in enumerate(pipelines):  # alone: the same bits
         args = [pipeline], logits[request : request + 1], outputs[:1], candidates[:1]
         assert torch.equal(batch(*args)[0], expected[request]), request
+
+
+def test_plain_greedy_requests_take_the_raw_argmax_without_building_the_pass(monkeypatch):
+    """Requests whose logits nothing processes (greedy, no bias, penalty, mask or grammar)
+    get the raw argmax, as the reference does, without the batched pass's metadata; one
+    greedy request whose bias moves its argmax takes the whole pass (the control)."""
+    built = []
+    build = SamplingMetadata.build
+    monkeypatch.setattr(
+        SamplingMetadata, "build", staticmethod(lambda *a, **k: built.append(1) or build(*a, **k))
+    )
+    vocab_size, generator = 300, torch.Generator().manual_seed(5)
+    logits = [torch.randn(n, vocab_size, generator=generator) for n in (1, 3, 2)]
+    outputs, candidates = [[4], [5, 6], []], [[], [7, 8], [9]]
+    plain = [LogitsPipeline(SamplingParams(temperature=0.0), vocab_size, [1]) for _ in logits]
+    expected = reference(plain, logits, outputs, candidates)
+    for parts in (logits, list(torch.cat(logits).split((1, 3, 2)))):  # apart, one tensor
+        got = BatchLogitsPipeline()(plain, parts, outputs, candidates)
+        assert all(torch.equal(want, have) for want, have in zip(expected, got, strict=True))
+    assert built == []
+    banned = int(logits[1][0].argmax())
+    biased = SamplingParams(temperature=0.0, logit_bias={banned: -100.0})
+    mixed = [plain[0], LogitsPipeline(biased, vocab_size, [1]), plain[2]]
+    got = BatchLogitsPipeline()(mixed, logits, outputs, candidates)
+    assert built == [1] and int(got[1][0]) != banned
+    assert all(
+        torch.equal(want, have)
+        for want, have in zip(reference(mixed, logits, outputs, candidates), got, strict=True)
+    )
