@@ -71,8 +71,11 @@ def _schedule(model: nn.Module) -> tuple[list[torch.Tensor], list[list[int]], in
         logits.extend(out[seq_id] for seq_id in sorted(out))  # [len, vocab] each
         return out
 
-    step({"a": [1, 5, 9, 13, 17, 21, 25], "b": [2, 4, 6, 8]})  # ragged prefill
-    step({"a": [30, 31, 32], "b": [40]})
+    # ragged prefill; "c" takes the first row and leaves, and a row moves into its place
+    step({"c": [3, 7, 11], "a": [1, 5, 9, 13, 17, 21, 25], "b": [2, 4, 6, 8]})
+    step({"a": [30, 31, 32], "b": [40], "c": [12]})
+    runner.remove(["c"])
+    assert runner.seq_ids == ["b", "a"]
     runner.rollback("a", 2)
     runner.rollback("b", 1)
     out = step({"a": [50, 51], "b": [60, 61, 62]})
