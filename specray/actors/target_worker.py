@@ -326,8 +326,8 @@ class TargetWorker:
             results.append(result)
             if state.finish_reason:
                 finished.append(state.request_id)
-        # One release for the round: freeing a row compacts the cache rows after it, so each
-        # request freed on its own would move the rows behind it again.
+        # One release for the round: one reorder of the cache's rows for every request it
+        # ended (models/row_blocks.py), not one per request.
         self.release(finished)
         service_s = time.perf_counter() - entered
         return RoundReport(

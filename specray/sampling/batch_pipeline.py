@@ -181,7 +181,9 @@ class BatchLogitsPipeline:
         :meth:`LogitsPipeline.probs` give."""
         if not logits:
             return []
-        if all(pipeline.params.greedy and pipeline.plain for pipeline in pipelines):
+        if len(pipelines) == len(logits) and all(
+            pipeline.params.greedy and pipeline.plain for pipeline in pipelines
+        ):
             return _raw_argmax(logits, candidate_token_ids)
         metadata = SamplingMetadata.build(
             pipelines,

@@ -382,3 +382,11 @@ def test_plain_greedy_requests_take_the_raw_argmax_without_building_the_pass(mon
         torch.equal(want, have)
         for want, have in zip(reference(mixed, logits, outputs, candidates), got, strict=True)
     )
+
+
+def test_plain_greedy_requests_are_checked_as_any():
+    greedy = [LogitsPipeline(SamplingParams(temperature=0.0), 10) for _ in range(2)]
+    with pytest.raises(ValueError, match="got 2, 1"):
+        BatchLogitsPipeline()(greedy, [torch.zeros(1, 10)], [[]], [[]])
+    with pytest.raises(ValueError, match="3 logits rows need 2 candidate tokens"):
+        BatchLogitsPipeline()(greedy[:1], [torch.zeros(3, 10)], [[]], [[1]])
