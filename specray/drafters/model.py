@@ -28,7 +28,7 @@ from specray.sampling import (
     stack_rows,
 )
 from specray.sampling.argmax import row_argmax
-from specray.sampling.batch_pipeline import BatchLogitsPipeline
+from specray.sampling.batch_pipeline import BatchLogitsPipeline, raw_greedy
 from specray.sampling.encoding import POINT_MASS_ENCODING, point_mass_rows
 from specray.sampling.rng import keyed_uniforms, seed_tensor
 
@@ -190,7 +190,7 @@ class ModelDrafter:
         tensor: its rows are kept): row i's history is request i's committed output plus its
         drafts so far; a greedy request's q is the one-hot at its argmax. With it, when every
         request is greedy, their argmax ids ``[n]`` (else None)."""
-        if all(r.pipeline.params.greedy and r.pipeline.plain for r in requests):
+        if raw_greedy([r.pipeline for r in requests]):
             # Nothing processes these logits: each q is the one-hot at the raw argmax.
             ids = row_argmax(torch.cat([logits[r.request_id] for r in requests]))  # [n]
             out = torch.zeros(len(requests), self.vocab_size, device=ids.device)  # [n, vocab]

@@ -101,11 +101,7 @@ def _side_by_side(group: list[nn.Module], fuse: bool) -> GroupProduct:
         weight = torch.cat([linear.weight.detach() for linear in group])
         bias = None
         if any(linear.bias is not None for linear in group):
-            zeros = [linear.weight.new_zeros(linear.out_features) for linear in group]
-            biases = [
-                z if lin.bias is None else lin.bias for z, lin in zip(zeros, group, strict=True)
-            ]
-            bias = torch.cat(biases).detach()
+            bias = torch.cat([_bias_or_zeros(linear) for linear in group]).detach()
         fused = functools.partial(F.linear, weight=weight, bias=bias)
     return lambda inputs: fused(inputs).split(sizes, dim=-1)
 
@@ -117,6 +113,10 @@ def _weight_bytes(decoder: nn.Module) -> int:
         for group in _layer_linears(layer)
         for linear in group
     )
+
+
+def _bias_or_zeros(linear: nn.Linear) -> torch.Tensor:
+    return linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
 
 
 def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:

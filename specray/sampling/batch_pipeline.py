@@ -181,9 +181,7 @@ class BatchLogitsPipeline:
         :meth:`LogitsPipeline.probs` give."""
         if not logits:
             return []
-        if len(pipelines) == len(logits) and all(
-            pipeline.params.greedy and pipeline.plain for pipeline in pipelines
-        ):
+        if len(pipelines) == len(logits) and raw_greedy(pipelines):
             return _raw_argmax(logits, candidate_token_ids)
         metadata = SamplingMetadata.build(
             pipelines,
@@ -548,6 +546,12 @@ def _runs(values: list[int]) -> tuple[tuple[int, int, int], ...]:
     """Runs of consecutive values: (first position, first value, length) each."""
     runs = (list(run) for _, run in groupby(enumerate(values), lambda pair: pair[1] - pair[0]))
     return tuple((run[0][0], run[0][1], len(run)) for run in runs)
+
+
+def raw_greedy(pipelines: Sequence[LogitsPipeline]) -> bool:
+    """Every request greedy with logits nothing processes (:attr:`LogitsPipeline.plain`):
+    its token is the argmax of its raw logits."""
+    return all(pipeline.params.greedy and pipeline.plain for pipeline in pipelines)
 
 
 def _raw_argmax(
