@@ -31,18 +31,19 @@ def fc_draft_dir(tiny_pair, tmp_path_factory):
 
 
 def _feature_stats(engine) -> tuple[dict, dict]:
-    """(draft worker 0's stats, the target leader's inbox and feature counters)."""
+    """(draft worker 0's stats, or the colocated draft's, and the target leader's inbox and
+    feature counters)."""
     backend = engine.backend
-    return (
-        ray.get(backend.drafts[0].stats.remote()),
-        ray.get(backend.leader.inbox_stats.remote()),
-    )
+    leader = backend.leader
+    draft = leader.draft_stats if backend.colocated else backend.drafts[0].stats
+    return ray.get(draft.remote()), ray.get(leader.inbox_stats.remote())
 
 
 def _delivered_feature_stats(engine, timeout_s: float = 10.0) -> tuple[dict, dict]:
     """:func:`_feature_stats` once the draft worker has every row the target sent: verdicts
     reach it asynchronously, so the last one's rows may still be on their way when
-    ``generate`` returns."""
+    ``generate`` returns (over gRPC or in memory alike: a colocated draft reads them on a thread
+    of its link)."""
     deadline = time.monotonic() + timeout_s
     while True:
         draft_stats, target_stats = _feature_stats(engine)
@@ -170,8 +171,7 @@ def test_colocated_draft_is_exact_and_reads_the_rows_in_memory(cluster, tiny_pai
         assert backend.colocated and backend.drafts == []
         report = backend.placement_report()
         greedy = engine.generate(PROMPTS, GREEDY)
-        draft_stats = ray.get(backend.leader.draft_stats.remote())
-        target_stats = ray.get(backend.leader.inbox_stats.remote())
+        draft_stats, target_stats = _delivered_feature_stats(engine)
         outputs, fit, control = _sample_and_fit(
             engine, target_model, [1, 2, 3, 1], 1000, 5, seed_offset=30_000, tail=3
         )
