@@ -27,8 +27,7 @@ from specray.sampling import (
     sample_from_probs,
     stack_rows,
 )
-from specray.sampling.argmax import row_argmax
-from specray.sampling.batch_pipeline import BatchLogitsPipeline, raw_greedy
+from specray.sampling.batch_pipeline import BatchLogitsPipeline, raw_argmax_rows, raw_greedy
 from specray.sampling.encoding import POINT_MASS_ENCODING, point_mass_rows
 from specray.sampling.rng import keyed_uniforms, seed_tensor
 
@@ -192,7 +191,7 @@ class ModelDrafter:
         request is greedy, their argmax ids ``[n]`` (else None)."""
         if raw_greedy([r.pipeline for r in requests]):
             # Nothing processes these logits: each q is the one-hot at the raw argmax.
-            ids = row_argmax(torch.cat([logits[r.request_id] for r in requests]))  # [n]
+            ids = torch.cat(raw_argmax_rows([logits[r.request_id] for r in requests]))  # [n]
             out = torch.zeros(len(requests), self.vocab_size, device=ids.device)  # [n, vocab]
             return out.scatter_(1, ids[:, None], 1.0), ids
         histories = [[*r.output_token_ids, *proposals[r.request_id]] for r in requests]

@@ -43,7 +43,7 @@ import torch
 from specray.sampling.argmax import row_argmax
 from specray.sampling.grammar import unpack_masks
 from specray.sampling.pipeline import NEG_INF, LogitsPipeline
-from specray.sampling.rows import Workspace, consecutive_rows
+from specray.sampling.rows import Workspace, consecutive_rows, rows_in_place
 from specray.sampling.staging import RowIndex, Staging
 from specray.sampling.top_k import TopK, TopKGroup, takes_candidates, top_k_probs, top_values
 
@@ -560,11 +560,22 @@ def _raw_argmax(
     """Requests whose logits nothing processes (greedy, :attr:`LogitsPipeline.plain`): each
     one's argmax ids ``[n_i]`` of its raw rows, what the whole pass gives them, without
     building it (its metadata is host work every round)."""
-    sizes = [rows.shape[0] for rows in logits]
-    for rows, candidates in zip(sizes, candidate_token_ids, strict=True):
-        _check_rows(rows, candidates)
-    flat = consecutive_rows(logits)  # [R, vocab], read in place
-    return list(row_argmax(flat if flat is not None else torch.cat(list(logits))).split(sizes))
+    for rows, candidates in zip(logits, candidate_token_ids, strict=True):
+        _check_rows(rows.shape[0], candidates)
+    return raw_argmax_rows(logits)
+
+
+def raw_argmax_rows(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each part's (``[n_i, vocab]``) row argmax ids ``[n_i]``, over the rows where they lie
+    when they are blocks of one tensor, as a forward's logits are (the cache's row order need
+    not be the requests' once rows were refilled): no ``[R, vocab]`` copy of them each round."""
+    sizes = [part.shape[0] for part in parts]
+    whole = rows_in_place(parts)
+    if whole is None:
+        return list(row_argmax(torch.cat(list(parts))).split(sizes))
+    base, starts = whole  # [span, vocab], each part's first row in it
+    ids = row_argmax(base)  # [span]
+    return [ids[start : start + size] for start, size in zip(starts, sizes, strict=True)]
 
 
 def _check_rows(rows: int, candidates: Sequence[int]) -> None:

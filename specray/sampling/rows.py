@@ -31,6 +31,37 @@ def consecutive_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((rows, vocab_size), (vocab_size, 1))
 
 
+def rows_in_place(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+    """``parts`` (each ``[n_i, vocab]``) read where they lie: ``(base [R, vocab], each part's
+    first row in base)`` when they are blocks of rows of one contiguous tensor in any order (a
+    forward's logits split by sequence in the cache's row order, taken in the requests' order)
+    and span at most twice their rows; else None (copy them)."""
+    first = parts[0]
+    if first.data_ptr() == 0 or first.dim() != 2:  # no memory to compare (meta tensors)
+        return None
+    storage, width = first.untyped_storage().data_ptr(), first.shape[1]
+    row_bytes = width * first.element_size()
+    for part in parts:
+        if (
+            part.dtype != first.dtype
+            or part.device != first.device
+            or part.dim() != 2
+            or part.shape[1] != width
+            or not part.is_contiguous()
+            or part.untyped_storage().data_ptr() != storage
+        ):
+            return None
+    lowest = min(parts, key=lambda part: part.data_ptr())
+    offsets = [part.data_ptr() - lowest.data_ptr() for part in parts]
+    if any(offset % row_bytes for offset in offsets):
+        return None
+    starts = [offset // row_bytes for offset in offsets]
+    span = max(start + part.shape[0] for start, part in zip(starts, parts, strict=True))
+    if span > 2 * sum(part.shape[0] for part in parts):  # mostly rows nobody asked for
+        return None
+    return lowest.as_strided((span, width), (width, 1)), starts
+
+
 class Workspace:
     """``[rows, vocab]`` buffers by name, kept from call to call by their owner (the batched
     logits pass, the verification rules): on a CPU a fresh output of that size per round costs
