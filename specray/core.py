@@ -43,7 +43,7 @@ from specray.sampling.batch_pipeline import BatchLogitsPipeline
 from specray.sampling.grammar import Grammars
 from specray.sampling.logprobs import TokenLogprob, scored_rows, unpack
 from specray.sampling.rng import seed_tensor
-from specray.sampling.rows import Workspace
+from specray.sampling.rows import Workspace, memory_order
 from specray.sampling.verify_sparse import DraftProbs, verify_blocks
 from specray.target_rounds import prefill_span
 
@@ -374,6 +374,10 @@ class TargetCore:
         else:
             logits = self.runner.forward(feeds, sizes)
         timer.stop()
+        # In the order the forward left their rows (the cache's, not the round's once rows were
+        # refilled): the batched passes then read the logits in place, no [R, vocab] copy.
+        taken = requests
+        requests = [requests[i] for i in memory_order([logits[r.request_id] for r in requests])]
         # Greedy: the argmax ids [n + 1]; sampled: the distributions [n + 1, vocab].
         target_rows = self._batch_pipeline(
             [r.pipeline for r in requests],
@@ -395,7 +399,8 @@ class TargetCore:
                 store = self._features[request.request_id]
                 store.write(len(store), hidden[request.request_id][: num_accepted + 1])
         self._score_outputs(requests, before, logits, target_rows)
-        return results
+        by_request = {r.request_id: tokens for r, tokens in zip(requests, results, strict=True)}
+        return [by_request[r.request_id] for r in taken]
 
     @staticmethod
     def _score_outputs(requests, before, logits, target_rows) -> None:

@@ -30,6 +30,7 @@ from specray.sampling import (
 from specray.sampling.batch_pipeline import BatchLogitsPipeline, raw_argmax_rows, raw_greedy
 from specray.sampling.encoding import POINT_MASS_ENCODING, point_mass_rows
 from specray.sampling.rng import keyed_uniforms, seed_tensor
+from specray.sampling.rows import memory_order
 
 
 class VocabularyMismatchError(ValueError):
@@ -152,6 +153,9 @@ class ModelDrafter:
             profile.head_s += self.runner.head_s - head_before
             profile.steps += 1
             stepping = [request for request in requests if request.request_id in logits]
+            # In the order of their rows in the forward's logits: read in place, not copied.
+            order = memory_order([logits[request.request_id] for request in stepping])
+            stepping = [stepping[i] for i in order]
             started = time.perf_counter()
             rows, greedy_ids = self._step_probs(stepping, logits, proposals)  # [n, vocab] q
             piped = time.perf_counter()

@@ -31,6 +31,12 @@ def consecutive_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((rows, vocab_size), (vocab_size, 1))
 
 
+def memory_order(parts: Sequence[torch.Tensor]) -> list[int]:
+    """Indices of ``parts`` by where their memory starts (stable: parts with no memory, as on
+    the meta device, keep their order)."""
+    return sorted(range(len(parts)), key=lambda index: parts[index].data_ptr())
+
+
 def rows_in_place(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
     """``parts`` (each ``[n_i, vocab]``) read where they lie: ``(base [R, vocab], each part's
     first row in base)`` when they are blocks of rows of one contiguous tensor in any order (a
