@@ -24,8 +24,6 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 
 from specray.feature_rows import FeatureRows
 from specray.models.device import DeviceTimer
@@ -37,7 +35,7 @@ from specray.sampling import (
     LogitsPipeline,
     SamplingParams,
     VerifyUniforms,
-    verify_batch_greedy_ids,
+    greedy_committed,
 )
 from specray.sampling.batch_pipeline import BatchLogitsPipeline
 from specray.sampling.grammar import Grammars
@@ -204,31 +202,6 @@ def eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
 # A block as the core consumes it: drafted tokens [n] and the exact q they came from, dense
 # [n, vocab] or, as a top<M> block arrives, sparse [n, M].
 Block = tuple[list[int], DraftProbs]
-
-
-def _committed_lists(parts, num_requests: int) -> list[list[int]]:
-    """Each request's committed tokens from the round's results (``parts``: request indexes
-    and their BatchVerifyResult), read to the host with one copy: per row, the accepted
-    count then the token row, padded to one width."""
-    width = max(result.token_ids.shape[1] for _, result in parts)
-    packed = torch.cat(
-        [
-            torch.cat(
-                [
-                    result.num_accepted[:, None],  # [batch, 1]
-                    F.pad(result.token_ids, (0, width - result.token_ids.shape[1])),
-                ],
-                dim=1,
-            )  # [batch, 1 + width]
-            for _, result in parts
-        ]
-    )
-    host = packed.tolist()  # the one device-to-host copy of the round
-    committed: list[list[int]] = [[] for _ in range(num_requests)]
-    order = [i for rows, _ in parts for i in rows]
-    for i, row in zip(order, host, strict=True):
-        committed[i] = row[1 : row[0] + 2]
-    return committed
 
 
 class TargetCore:
@@ -444,45 +417,51 @@ class TargetCore:
             )
 
     def _verify(self, requests, blocks, target_rows) -> list[list[int]]:
-        """Apply each request's rule; greedy and sampled requests are batched separately.
-        ``target_rows``: per request, its argmax ids ``[n + 1]`` when greedy, else its
-        distributions ``[n + 1, vocab]``. The round's results come to the host in one copy."""
+        """Apply each request's rule. ``target_rows``: per request, its argmax ids ``[n + 1]``
+        when greedy, else its distributions ``[n + 1, vocab]``. Sampled requests' rule runs on
+        the device, batched; greedy requests' on the host (:func:`greedy_committed`), from
+        their argmax ids, which ride in the round's one copy to the host with the sampled
+        results: the committed tokens end there anyway, and a few comparisons per request cost
+        less than the dozen kernels of the batched greedy rule (docs/bench/history.md)."""
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        to_host = [target_rows[i] for i in greedy]  # [n_i + 1] int64 each
+        width = 0  # of a sampled row on the host: its accepted count, then k + 1 tokens
+        if sampled:
+            result = self._verify_sampled(
+                [requests[i] for i in sampled], blocks, [target_rows[i] for i in sampled]
+            )
+            width = 1 + result.token_ids.shape[1]
+            packed = torch.cat([result.num_accepted[:, None], result.token_ids], dim=1)
+            to_host.append(packed.flatten())  # [batch * width]
+        host = torch.cat(to_host).tolist() if to_host else []  # the round's one copy
+        committed: list[list[int]] = [[] for _ in requests]
+        offset = 0
+        for i in greedy:
+            drafted = blocks[requests[i].request_id][0]
+            ids = host[offset : offset + len(drafted) + 1]
+            committed[i] = greedy_committed(drafted, ids)
+            offset += len(ids)
+        for i in sampled:
+            row = host[offset : offset + width]
+            committed[i] = row[1 : row[0] + 2]
+            offset += width
+        return committed
+
+    def _verify_sampled(self, requests, blocks, target_probs):
+        """The sampled requests' rule, batched on the target rows' device: a whole round's
+        keyed draws at once; q as the blocks carry it (a top<M> q stays sparse). Blocks from
+        draft workers were checked at the boundary (check_block), so the rules trust them and
+        read one flag on the host."""
         device = self.runner.device
-        parts = []  # (request indexes, BatchVerifyResult), on the device
-        for greedy in (True, False):
-            rows = [i for i, r in enumerate(requests) if r.params.greedy == greedy]
-            if not rows:
-                continue
-            drafted = [blocks[requests[i].request_id][0] for i in rows]
-            k = max(len(tokens) for tokens in drafted)
-            # Built on the host from the blocks, then one copy each to the device.
-            num_draft = torch.tensor([len(tokens) for tokens in drafted], device="cpu")
-            draft_ids = torch.zeros(len(rows), k, dtype=torch.int64, device="cpu")  # [batch, k]
-            for slot, tokens in enumerate(drafted):
-                draft_ids[slot, : len(tokens)] = torch.tensor(
-                    tokens, dtype=torch.int64, device="cpu"
-                )
-            num_draft, draft_ids = num_draft.to(device), draft_ids.to(device)
-            targets = [target_rows[i] for i in rows]
-            if greedy:
-                result = self._verify_greedy(targets, draft_ids, num_draft)
-            else:
-                picked = [requests[i] for i in rows]
-                result = self._verify_sampled(picked, blocks, targets, draft_ids, num_draft)
-            parts.append((rows, result))
-        return _committed_lists(parts, len(requests))
-
-    @staticmethod
-    def _verify_greedy(target_ids, draft_ids, num_draft):
-        # [batch, k+1]: the longest row has k + 1 ids; shorter rows padded with 0 (unread)
-        padded = pad_sequence(target_ids, batch_first=True).to(draft_ids.device)
-        return verify_batch_greedy_ids(draft_ids, num_draft, padded, validate=False)
-
-    def _verify_sampled(self, requests, blocks, target_probs, draft_ids, num_draft):
-        # On the target rows' device, a whole round's keyed draws at once; q as the blocks
-        # carry it (a top<M> q stays sparse). Blocks from draft workers were checked at the
-        # boundary (check_block), so the rules trust them and read one flag on the host.
-        device = draft_ids.device  # _verify put them on the runner's, the rows' device
+        drafted = [blocks[request.request_id][0] for request in requests]
+        k = max(len(tokens) for tokens in drafted)
+        # Built on the host from the blocks, then one copy each to the device.
+        num_draft = torch.tensor([len(tokens) for tokens in drafted], device="cpu")
+        draft_ids = torch.zeros(len(requests), k, dtype=torch.int64, device="cpu")  # [batch, k]
+        for slot, tokens in enumerate(drafted):
+            draft_ids[slot, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64, device="cpu")
+        num_draft, draft_ids = num_draft.to(device), draft_ids.to(device)
         seeds = seed_tensor([request.random.seed for request in requests], device)
         first = torch.tensor([len(r.output_token_ids) for r in requests], device=device)
         uniforms = VerifyUniforms.draw_round(seeds, first, num_draft, draft_ids.shape[1], device)

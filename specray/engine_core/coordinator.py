@@ -29,6 +29,7 @@ The same code runs on real workers (:mod:`specray.cluster.ray_backends`) and on 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections.abc import Sequence
@@ -457,14 +458,11 @@ class Coordinator:
         self._round_s[index] = self._loop.time() - started
         if issued.proposals:
             self._pool.watch(issued.proposals)  # replies arrive in the background
-        record_round(
-            self.stats,
-            self.metrics,
-            self.costs,
-            reply,
-            verify_prior=self.config.verify_prior,
-            now=self._loop.time(),
-        )
+        # Recorded at the loop's next wait, once the next round is on its way: its command
+        # waits only for the commits (the policy reads costs refitted every few rounds).
+        prior, now = self.config.verify_prior, self._loop.time()
+        stats = (self.stats, self.metrics, self.costs, reply)
+        self._loop.call_soon(functools.partial(record_round, *stats, verify_prior=prior, now=now))
         batch, finished = self._batches[index], []
         for request, result in zip(issued.requests, reply.results, strict=True):
             if self._requests.get(request.state.request_id) is not request:

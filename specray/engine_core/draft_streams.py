@@ -127,6 +127,10 @@ class StreamDraftPool:
             pending = self._gather(worker, lambda p: p.propose is None, future)
             if pending is not None:
                 pending.propose, pending.propose_future = call, future
+        # Sent now, not at the end of the turn: a propose completes its round's command (its
+        # releases and prefills were gathered before it), and the worker starts drafting
+        # while the loop still has the target's call and the round's records to do.
+        self.flush()
         return future
 
     def prefill(self, worker: int, items: Sequence[DraftItem]) -> asyncio.Future:

@@ -25,6 +25,7 @@ so the recovered token is 0. P(token 0) = q(0)·1 + q(1)·0.5·1 = 0.2 + 0.4 = 0
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -206,6 +207,26 @@ def verify_batch_greedy_ids(
     rows = torch.arange(len(num_accepted), device=num_accepted.device)
     final_token = target_argmax[rows, num_accepted]
     return _assemble(draft_token_ids, num_accepted, final_token)
+
+
+def greedy_committed(draft_token_ids: Sequence[int], target_argmax: Sequence[int]) -> list[int]:
+    """The greedy rule for one request on the host, from the target's argmax ids alone
+    (``len(draft_token_ids) + 1`` of them): the accepted drafts, then the target's token at the
+    first mismatch, or its bonus after the last draft. What :func:`verify_batch_greedy_ids`
+    computes for a row, for a caller that reads the argmax ids to the host anyway (a round's
+    committed tokens end there): a few list comparisons instead of a dozen tensor kernels.
+    E.g. drafts [5, 7, 9], argmax [5, 7, 2, 4] -> [5, 7, 2]."""
+    if len(target_argmax) != len(draft_token_ids) + 1:
+        raise ValueError(
+            f"target_argmax must have {len(draft_token_ids) + 1} ids (one per draft and the "
+            f"bonus), got {len(target_argmax)}"
+        )
+    accepted = 0
+    for drafted, target in zip(draft_token_ids, target_argmax, strict=False):
+        if drafted != target:
+            break
+        accepted += 1
+    return [*draft_token_ids[:accepted], target_argmax[accepted]]
 
 
 def verify_batch(

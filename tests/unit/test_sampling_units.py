@@ -26,6 +26,7 @@ from specray.sampling import (
     WireTensor,
     decode_draft_probs,
     encode_draft_probs,
+    greedy_committed,
     keyed_uniform,
     quantize_draft_probs,
     sample_from_probs,
@@ -734,6 +735,33 @@ def test_greedy_rule_from_ids_equals_the_rule_from_distributions() -> None:
         ids = verify_batch_greedy_ids(drafts, num_draft, target.argmax(dim=-1))
         assert torch.equal(dense.token_ids, ids.token_ids)
         assert torch.equal(dense.num_accepted, ids.num_accepted)
+
+
+def test_host_greedy_rule_equals_the_batched_rule() -> None:
+    """greedy_committed (the host rule a round uses) commits exactly each row's tokens of
+    verify_batch_greedy_ids, over random blocks with partial and full acceptance; its worked
+    example; a wrong number of argmax ids is named."""
+    generator = torch.Generator().manual_seed(12)
+    batch, k, vocab = 6, 4, 3  # a small vocabulary: drafts often match, blocks are accepted whole
+    whole = 0
+    for _ in range(300):
+        drafts = torch.randint(0, vocab, (batch, k), generator=generator)
+        num_draft = torch.randint(0, k + 1, (batch,), generator=generator)
+        argmax = torch.randint(0, vocab, (batch, k + 1), generator=generator)
+        batched = verify_batch_greedy_ids(drafts, num_draft, argmax)
+        for row in range(batch):
+            n = int(num_draft[row])
+            expected = batched.row(row).token_ids.tolist()
+            assert greedy_committed(drafts[row, :n].tolist(), argmax[row, : n + 1].tolist()) == (
+                expected
+            )
+            whole += n > 0 and len(expected) == n + 1
+    assert whole > 50  # the bonus path ran
+    assert greedy_committed([5, 7, 9], [5, 7, 2, 4]) == [5, 7, 2]
+    assert greedy_committed([5, 7], [5, 7, 3]) == [5, 7, 3]
+    assert greedy_committed([], [8]) == [8]
+    with pytest.raises(ValueError, match=r"target_argmax must have 3 ids .*, got 2"):
+        greedy_committed([1, 2], [1, 2])
 
 
 def test_greedy_rule_from_ids_names_a_bad_shape() -> None:
