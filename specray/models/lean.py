@@ -138,6 +138,16 @@ class _Layer:
     extra: dict  # keyword arguments the family's attention passes (a sliding window)
 
 
+def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What the lean forward attends in, and caches keys and values in, for activations of
+    ``dtype`` on ``device``: float32 for half precision on a CPU, whose attention kernels
+    emulate half-precision arithmetic (a draft step's one query over 128 cached slots took 6x
+    as long in bfloat16 here: docs/bench/history.md); ``dtype`` elsewhere. The layer's other
+    products stay in ``dtype`` (an int8 linear's kernel wants bfloat16 rows)."""
+    on_cpu = torch.device(device).type == "cpu"
+    return torch.float32 if on_cpu and dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 def _rms_norm(hidden: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
     """transformers' Llama RMSNorm: normalised in float32, scaled in the input's dtype."""
     weight, eps = norm
@@ -237,6 +247,10 @@ class LeanDecoder:
         k = k.view(batch, width, -1, self.head_dim).transpose(1, 2)
         v = v.view(batch, width, -1, self.head_dim).transpose(1, 2)
         q, k = _rotated(q, cos, sin), _rotated(k, cos, sin)
+        dtype = q.dtype
+        kv_dtype = attention_dtype(dtype, q.device)
+        if kv_dtype != dtype:
+            q, k, v = q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
         keys, values = cache.update(k, v, layer.index)
         output, _ = self.attend(
             layer.attention,
@@ -249,4 +263,4 @@ class LeanDecoder:
             **layer.extra,
             **extra,
         )  # [batch, width, heads, dim]
-        return layer.out(output.reshape(batch, width, -1))
+        return layer.out(output.reshape(batch, width, -1).to(dtype))

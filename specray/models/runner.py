@@ -26,7 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specray.models.batch_invariant import make_batch_invariant
 from specray.models.device import DeviceTimer
-from specray.models.lean import LeanDecoder, lean_eligible
+from specray.models.lean import LeanDecoder, attention_dtype, lean_eligible
 from specray.models.linears import tune_decoder_linears, tune_head
 from specray.models.packing import (
     KWARG,
@@ -541,6 +541,8 @@ class ModelRunner:
         self.cache.reserve(first + len(rows), slots, first, self.num_slots)
         index = torch.tensor(rows, device=source.device)
         dtype = self.model.dtype
+        if self._lean is not None:  # the dtype its attention caches keys and values in
+            dtype = attention_dtype(dtype, self.device)
         self.cache.write_rows(
             first,
             [

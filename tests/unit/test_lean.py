@@ -133,3 +133,36 @@ def test_a_decoder_too_large_to_copy_runs_each_product_on_its_own_weights(monkey
         got, expected = separate.forward(feed, wanted), plain.forward(feed, wanted)
         for seq_id in feed:
             torch.testing.assert_close(got[seq_id], expected[seq_id], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_attends_in_float32_on_a_cpu(dtype):
+    """A half-precision decoder (a draft) attends, and caches keys and values, in float32 on a
+    CPU (whose attention kernels emulate half-precision sums), its other products in its own
+    dtype; the logits stay within half precision of the model's own forward and of the float32
+    model's. The model's own forward keeps its dtype in the cache
+    (the control), and an accelerator would keep it too. A cache adopted from a float32
+    runner (a self-draft's prompt, ``import_rows``) lands in float32."""
+    assert lean.attention_dtype(dtype, torch.device("cpu")) == torch.float32
+    assert lean.attention_dtype(dtype, torch.device("meta")) == dtype
+    assert lean.attention_dtype(torch.float32, torch.device("cpu")) == torch.float32
+    exact = _llama(seed=4)
+    model = copy.deepcopy(exact).to(dtype)
+    lean_runner, plain = ModelRunner(model, lean=True), ModelRunner(model, lean=False)
+    reference = ModelRunner(exact)
+    feeds = [{"a": list(range(1, 30)), "b": [6, 7]}, {"a": [8], "b": [9]}, {"a": [3, 4]}]
+    for feed in feeds:
+        wanted = {seq_id: len(tokens) for seq_id, tokens in feed.items()}
+        got, own = lean_runner.forward(feed, wanted), plain.forward(feed, wanted)
+        exact_logits = reference.forward(feed, wanted)
+        for seq_id in feed:
+            torch.testing.assert_close(got[seq_id], own[seq_id], atol=5e-2, rtol=5e-2)
+            torch.testing.assert_close(got[seq_id], exact_logits[seq_id], atol=5e-2, rtol=5e-2)
+    assert lean_runner.cache.layers[0].keys.dtype == torch.float32
+    assert plain.cache.layers[0].keys.dtype == dtype
+    source = ModelRunner(exact)
+    source.forward({"p": [5, 4, 3, 2]}, {"p": 1})
+    lean_runner.import_rows(source, ["p"])
+    step = lean_runner.forward({"p": [1]}, {"p": 1})["p"]
+    expected = reference.forward({"p": [5, 4, 3, 2, 1]}, {"p": 1})["p"]
+    torch.testing.assert_close(step, expected, atol=5e-2, rtol=5e-2)
