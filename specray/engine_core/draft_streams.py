@@ -139,6 +139,7 @@ class StreamDraftPool:
             pending = self._gather(worker, lambda p: p.prefill_future is None, future)
             if pending is not None:
                 pending.prefill, pending.prefill_future = list(items), future
+                self._schedule_flush()
         return future
 
     def release(self, worker: int, request_ids: Sequence[str]) -> asyncio.Future:
@@ -149,6 +150,7 @@ class StreamDraftPool:
             pending = self._gather(worker, lambda p: True, None)
             if pending is not None:
                 pending.release.extend(request_ids)
+                self._schedule_flush()
         future.set_result(None)
         return future
 
@@ -159,7 +161,7 @@ class StreamDraftPool:
         self, worker: int, fits: Callable[[_Pending], bool], future: asyncio.Future | None
     ) -> _Pending | None:
         """The command this turn adds to (a new one if the last cannot take this part); None,
-        with ``future`` failed, when the worker is gone."""
+        with ``future`` failed, when the worker is gone. The caller says when it goes out."""
         state = self._workers[worker]
         if not state.open:
             if future is not None:
@@ -167,7 +169,6 @@ class StreamDraftPool:
             return None
         if not state.commands or not fits(state.commands[-1]):
             state.commands.append(_Pending())
-        self._schedule_flush()
         return state.commands[-1]
 
     def _schedule_flush(self) -> None:

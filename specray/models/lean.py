@@ -138,6 +138,7 @@ class _Layer:
     extra: dict  # keyword arguments the family's attention passes (a sliding window)
 
 
+@functools.cache  # (asked for every layer of every forward)
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """What the lean forward attends in, and caches keys and values in, for activations of
     ``dtype`` on ``device``: float32 for half precision on a CPU, whose attention kernels
