@@ -203,24 +203,35 @@ class _BoundTerms:
         return sum(w * value for w, value in zip(self.weights, per_k, strict=True))
 
 
-def _block_lengths(row: dict) -> dict[int, int]:
-    """Draft rounds by block length K (K >= 1): the row's verdicts by K where recorded."""
-    counts = {k: n for k, n in enumerate(row.get("verdicts_by_k") or ()) if k > 0 and n > 0}
-    return counts or {max(round(row["mean_k"]), 1): 1}
+def _block_lengths(row: dict, *, all_rounds: bool = False) -> dict[int, int]:
+    """Draft rounds by block length K (K >= 1): the row's verdicts by K where recorded; with
+    ``all_rounds``, its rounds without a draft (K = 0) as well."""
+    counts = {k: n for k, n in enumerate(row.get("verdicts_by_k") or ()) if n > 0}
+    drafted = {k: n for k, n in counts.items() if k > 0}
+    if not drafted:
+        return {max(round(row["mean_k"]), 1): 1}
+    return counts if all_rounds else drafted
 
 
-def _bound_terms(row: dict, calibration, target_only: dict | None) -> _BoundTerms:
+def _shares(counts: dict[int, int]) -> dict[int, float]:
+    total = sum(counts.values())
+    return {k: n / total for k, n in sorted(counts.items())}
+
+
+def _bound_terms(
+    row: dict, calibration, target_only: dict | None, *, all_rounds: bool = False
+) -> _BoundTerms:
     verify, draft = calibration
     draft = draft or DEFAULT_DRAFT_PRIOR
-    counts = _block_lengths(row)
-    total = sum(counts.values())
-    weights = {k: n / total for k, n in sorted(counts.items())}
-    alpha = acceptance_from_mix(row["mean_acceptance_length"], weights)
+    weights = _shares(_block_lengths(row, all_rounds=all_rounds))
+    # The acceptance length is the drafted rounds' own.
+    alpha = acceptance_from_mix(row["mean_acceptance_length"], _shares(_block_lengths(row)))
     target_step_s, draft_s = verify.seconds(1, 1), draft.seconds(1)
-    verify_scale = 1.0
+    verify_scale = plain_scale = 1.0
     if target_only is not None:
         target_step_s *= target_only["verify_level"]
-        verify_scale = row["verify_level"] * row.get("draft_round_scale", 1.0)
+        plain_scale = row["verify_level"]  # a round without a draft: no draft beside it
+        verify_scale = plain_scale * row.get("draft_round_scale", 1.0)
         draft_s *= row["draft_level"]
     ks = tuple(weights)
     return _BoundTerms(
@@ -229,13 +240,17 @@ def _bound_terms(row: dict, calibration, target_only: dict | None) -> _BoundTerm
         alpha=alpha,
         expected=tuple(sum(alpha**i for i in range(k + 1)) for k in ks),
         verify=tuple(
-            (verify.seconds(1, k + 1) * verify_scale + row["rtt_s"]) / target_step_s for k in ks
+            (verify.seconds(1, k + 1) * (verify_scale if k else plain_scale) + row["rtt_s"])
+            / target_step_s
+            for k in ks
         ),
         draft=tuple(k * draft_s / target_step_s for k in ks),
     )
 
 
-def pipelined_bound(row: dict, calibration, target_only: dict | None = None) -> float:
+def pipelined_bound(
+    row: dict, calibration, target_only: dict | None = None, *, all_rounds: bool = False
+) -> float:
     """docs/design.md section 5 at batch 1: E / max(verify(K+1)/verify(1) + r/T, K·c), with the
     measured acceptance of the row and the costs calibrated on the workers, over the block
     lengths its rounds used (E and the round's cost each averaged over them: a row whose
@@ -245,8 +260,12 @@ def pipelined_bound(row: dict, calibration, target_only: dict | None = None) -> 
     costs measured in the runs instead (each row's level over the calibration, and the row's
     extra slowness of rounds that verify drafts, ``draft_round_scale``): on a machine where the
     draft, the target and everything else share the cores, the draft's work slows the target's
-    forwards, which the calibrated bound does not know."""
-    terms = _bound_terms(row, calibration, target_only)
+    forwards, which the calibrated bound does not know.
+
+    With ``all_rounds``: over the row's rounds without a draft too (the policy's K = 0: one
+    token at a verification of one), so that what the policy chose not to draft is not
+    counted as the pipeline's shortfall (a diagnostic beside the bound over draft rounds)."""
+    terms = _bound_terms(row, calibration, target_only, all_rounds=all_rounds)
     costs = [max(v, d) for v, d in zip(terms.verify, terms.draft, strict=True)]
     return terms.mean(terms.expected) / terms.mean(costs)
 
@@ -415,6 +434,9 @@ def run_serving_bench(config: ServingBenchConfig) -> dict:
             measured = pipelined_bound(row, calibration, baseline)
             row["measured_bound"] = measured
             row["fraction_of_measured_bound"] = row["speedup"] / measured
+            over_all = pipelined_bound(row, calibration, baseline, all_rounds=True)
+            row["measured_bound_all_rounds"] = over_all
+            row["fraction_of_measured_bound_all_rounds"] = row["speedup"] / over_all
             one = one_request_bound(row, calibration, baseline)
             row["one_request_bound"] = one
             row["fraction_of_one_request_bound"] = row["speedup"] / one
@@ -472,7 +494,7 @@ def _record_traces(config: ServingBenchConfig, info, prompts, rows, params):
 def print_serving_report(report: dict) -> None:
     header = (
         f"{'conc':>4} {'mode':<12} {'tok/s':>7} {'speedup':>7} {'vs unpip':>8} {'itl p50':>8} "
-        f"{'itl p95':>8} {'busy':>5} {'alpha':>5} {'k':>4} {'bound%':>6} {'1req%':>5} "
+        f"{'itl p95':>8} {'busy':>5} {'alpha':>5} {'k':>4} {'bound%':>6} {'all%':>5} {'1req%':>5} "
         f"{'greedy=':>7} {'sim tok/s':>9} {'sim err':>7}"
     )
     print(header)
@@ -487,12 +509,14 @@ def print_serving_report(report: dict) -> None:
             continue
         bound = row.get("fraction_of_bound")
         one = row.get("fraction_of_one_request_bound")
+        over_all = row.get("fraction_of_measured_bound_all_rounds")
         print(
             f"{row['concurrency']:>4} {row['mode']:<12} {row['tokens_per_s']:>7.2f} "
             f"{row['speedup']:>7.2f} {row['pipelined_over_unpipelined']:>8.2f} "
             f"{row['itl_p50_s'] * 1e3:>6.0f}ms {row['itl_p95_s'] * 1e3:>6.0f}ms "
             f"{row['target_busy_fraction']:>5.2f} {row['acceptance_rate']:>5.2f} "
             f"{row['mean_k']:>4.1f} {'' if bound is None else f'{100 * bound:.0f}':>6} "
+            f"{'' if over_all is None else f'{100 * over_all:.0f}':>5} "
             f"{'' if one is None else f'{100 * one:.0f}':>5} "
             f"{'yes' if row['matches_target_only'] else 'NO':>7} "
             f"{row['simulated_tokens_per_s']:>9.2f} {100 * row['simulated_error']:>6.1f}%"

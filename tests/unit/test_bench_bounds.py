@@ -67,3 +67,30 @@ def test_a_mix_of_block_lengths_is_bounded_over_its_mix_not_its_rounded_mean():
         for k, v, d in ((1, v1, d1), (2, v2, d2))
     )
     assert one_request_bound(mixed, calibration) == pytest.approx(1.5 / cost, rel=1e-6)
+
+
+def test_rounds_without_a_draft_count_at_their_own_cost_over_all_rounds():
+    """A third of the rounds at K = 0 (the policy chose not to draft), the rest at K = 2 with
+    a mean acceptance length of 1.75 (α = 0.5). Over draft rounds the bound is E_2 / V_2; over
+    all rounds a K = 0 round adds one token at a verification of one, measured without the
+    drafted rounds' extra slowness (``draft_round_scale``)."""
+    r = {
+        "mean_k": 4 / 3,
+        "mean_acceptance_length": 1.75,
+        "rtt_s": 0.0,
+        "verdicts_by_k": [10, 0, 20],
+        "verify_level": 1.1,
+        "draft_round_scale": 1.2,
+        "draft_level": 1.0,
+    }
+    target_only = {"verify_level": 1.0}
+    v0, v2 = 1.1, 0.048 / 0.040 * 1.1 * 1.2
+    drafted = pipelined_bound(r, CALIBRATION, target_only)
+    over_all = pipelined_bound(r, CALIBRATION, target_only, all_rounds=True)
+    assert drafted == pytest.approx(1.75 / v2, rel=1e-6)
+    assert over_all == pytest.approx((1 / 3 + 2 / 3 * 1.75) / (1 / 3 * v0 + 2 / 3 * v2), rel=1e-6)
+    # Without rounds at K = 0 the two are the same bound.
+    r["verdicts_by_k"] = [0, 0, 20]
+    assert pipelined_bound(r, CALIBRATION, target_only, all_rounds=True) == pytest.approx(
+        pipelined_bound(r, CALIBRATION, target_only), rel=1e-12
+    )
