@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from specray.sampling import EncodedDraftProbs, KeyedRandom, LogitsPipeline
+from specray.sampling.encoding import SparseDraftProbs
 
 
 @dataclass
@@ -40,10 +41,12 @@ class DraftRequest:
 
 @dataclass
 class DraftBlock:
-    """A proposal: ``token_ids[j]`` was sampled from ``draft_probs[j]`` (exactly that q)."""
+    """A proposal: ``token_ids[j]`` was sampled from row j of ``draft_probs`` (exactly that q).
+    A greedy request's q, or a lookup's, is a point mass at each token, kept sparse; a sampled
+    request's is a dense row."""
 
     token_ids: list[int]  # [n], 0 <= n <= k
-    draft_probs: torch.Tensor  # [n, vocab] float32
+    draft_probs: torch.Tensor | SparseDraftProbs  # [n, vocab] float32, or [n, 1] point masses
     # The wire form q was decoded from (drafters built with keep_encoded=True): sent as is.
     encoded: EncodedDraftProbs | None = None
 

@@ -28,7 +28,7 @@ from specray.sampling import (
     stack_rows,
 )
 from specray.sampling.batch_pipeline import BatchLogitsPipeline, raw_argmax_rows, raw_greedy
-from specray.sampling.encoding import POINT_MASS_ENCODING, point_mass_rows
+from specray.sampling.encoding import POINT_MASS_ENCODING, SparseDraftProbs, point_mass_rows
 from specray.sampling.rng import keyed_uniforms, seed_tensor
 from specray.sampling.rows import memory_order
 
@@ -138,6 +138,8 @@ class ModelDrafter:
         feeds = {request.request_id: self._sync(request) for request in requests}
         proposals: dict[Hashable, list[int]] = {request.request_id: [] for request in requests}
         probs: dict[Hashable, list[torch.Tensor]] = {request.request_id: [] for request in requests}
+        # A greedy request's q is a point mass at each of its tokens: its ids on q's device.
+        points: dict[Hashable, list[torch.Tensor]] = {r.request_id: [] for r in requests}
         encoded: dict[Hashable, list[EncodedDraftProbs]] = {r.request_id: [] for r in requests}
         for step in range(max(request.num_tokens for request in requests)):
             if step > 0:  # feed the token drafted at the previous step
@@ -157,7 +159,7 @@ class ModelDrafter:
             order = memory_order([logits[request.request_id] for request in stepping])
             stepping = [stepping[i] for i in order]
             started = time.perf_counter()
-            rows, greedy_ids = self._step_probs(stepping, logits, proposals)  # [n, vocab] q
+            rows, greedy_ids = self._step_probs(stepping, logits, proposals)
             piped = time.perf_counter()
             if greedy_ids is not None:
                 # Every q is one-hot: its token is the argmax (what a draw from it gives), its
@@ -175,29 +177,37 @@ class ModelDrafter:
             for index, request in enumerate(stepping):
                 self._cached[request.request_id].extend(feeds[request.request_id])
                 proposals[request.request_id].append(tokens[index])
-                probs[request.request_id].append(rows[index])
+                if greedy_ids is not None:
+                    points[request.request_id].append(greedy_ids[index : index + 1])
+                elif request.pipeline.params.greedy:  # beside sampled rows: its row is one-hot
+                    points[request.request_id].append(rows[index].argmax().reshape(1))
+                else:
+                    probs[request.request_id].append(rows[index])
             profile.pipeline_s += piped - started
             profile.sample_s += time.perf_counter() - piped
             profile.tokens += len(stepping)
         return [
             DraftBlock(
                 proposals[r.request_id],
-                torch.stack(probs[r.request_id]),
+                SparseDraftProbs.point_masses(torch.cat(points[r.request_id]), self.vocab_size)
+                if points[r.request_id]
+                else torch.stack(probs[r.request_id]),  # [n, vocab]
                 stack_rows(encoded[r.request_id]) if encoded[r.request_id] else None,
             )
             for r in requests
         ]
 
-    def _step_probs(self, requests, logits, proposals) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every request's q for this step in one logits pass, ``[n, vocab]`` float32 (a fresh
-        tensor: its rows are kept): row i's history is request i's committed output plus its
-        drafts so far; a greedy request's q is the one-hot at its argmax. With it, when every
-        request is greedy, their argmax ids ``[n]`` (else None)."""
+    def _step_probs(
+        self, requests, logits, proposals
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This step's q in one logits pass. When every request is greedy: no rows (each q is
+        the point mass at its argmax) and the argmax ids ``[n]``. Otherwise every request's q
+        ``[n, vocab]`` float32 (a fresh tensor: its rows are kept), a greedy request's row
+        one-hot at its argmax, and no ids. Row i's history is request i's committed output
+        plus its drafts so far."""
         if raw_greedy([r.pipeline for r in requests]):
-            # Nothing processes these logits: each q is the one-hot at the raw argmax.
-            ids = torch.cat(raw_argmax_rows([logits[r.request_id] for r in requests]))  # [n]
-            out = torch.zeros(len(requests), self.vocab_size, device=ids.device)  # [n, vocab]
-            return out.scatter_(1, ids[:, None], 1.0), ids
+            # Nothing processes these logits: each q is the point mass at the raw argmax.
+            return None, torch.cat(raw_argmax_rows([logits[r.request_id] for r in requests]))
         histories = [[*r.output_token_ids, *proposals[r.request_id]] for r in requests]
         rows = self._batch_pipeline(
             [r.pipeline for r in requests],
@@ -205,14 +215,16 @@ class ModelDrafter:
             histories,
             [()] * len(requests),
         )
-        out = torch.zeros(len(requests), self.vocab_size, device=rows[0].device)  # [n, vocab]
         greedy = [request.pipeline.params.greedy for request in requests]
+        if all(greedy):  # each row is its argmax id [1]
+            return None, torch.cat(rows)
+        out = torch.zeros(len(requests), self.vocab_size, device=rows[0].device)  # [n, vocab]
         for index, (is_greedy, row) in enumerate(zip(greedy, rows, strict=True)):
             if is_greedy:  # argmax id [1]: q is one-hot there
                 out[index].scatter_(0, row, 1.0)
             else:
                 out[index] = row[0]
-        return out, (torch.cat(rows) if all(greedy) else None)
+        return out, None
 
     def _encode_step(self, requests, rows: torch.Tensor) -> list[EncodedDraftProbs]:
         """Each request's q of this step in wire form, one message a row: a greedy request's

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from specray.drafters.base import DraftBlock, DraftRequest
-from specray.sampling import encode_draft_probs
-from specray.sampling.encoding import POINT_MASS_ENCODING
+from specray.sampling import stack_rows
+from specray.sampling.encoding import SparseDraftProbs, point_mass_rows
 
 
 def find_continuation(
@@ -67,12 +67,11 @@ class NgramDrafter:
                 min_ngram=self.config.min_ngram,
                 max_ngram=self.config.max_ngram,
             )
-            draft_probs = torch.zeros(len(token_ids), self.vocab_size)  # [n, vocab] point masses
-            if token_ids:
-                draft_probs[torch.arange(len(token_ids)), torch.tensor(token_ids)] = 1.0
+            ids = torch.tensor(token_ids, dtype=torch.int64)  # [n]
+            draft_probs = SparseDraftProbs.point_masses(ids, self.vocab_size)  # [n, 1]
             encoded = None
             if self.keep_encoded and token_ids:
-                encoded = encode_draft_probs(draft_probs, POINT_MASS_ENCODING)
+                encoded = stack_rows(point_mass_rows(token_ids, self.vocab_size))
             blocks.append(DraftBlock(token_ids, draft_probs, encoded))
         return blocks
 

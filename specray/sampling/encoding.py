@@ -220,12 +220,26 @@ class SparseDraftProbs:
     def num_rows(self) -> int:
         return self.token_ids.shape[0]
 
+    @classmethod
+    def point_masses(cls, token_ids: torch.Tensor, vocab_size: int) -> SparseDraftProbs:
+        """Row j puts all its mass on ``token_ids[j]`` (``[k]`` int64, on q's device): a greedy
+        draft's q, or a lookup's, without a vocabulary row per token."""
+        ids = token_ids.to(torch.int64).reshape(-1, 1)  # [k, 1]
+        return cls(ids, torch.ones(ids.shape, dtype=torch.float32, device=ids.device), vocab_size)
+
     def to_dense(self) -> torch.Tensor:
         """The same q as a float32 ``[k, vocab]`` tensor (what the draft samples from)."""
         dense = torch.zeros(
             self.num_rows, self.vocab_size, dtype=torch.float32, device=self.values.device
         )
         return dense.scatter_(-1, self.token_ids, self.values)
+
+
+def dense_draft_probs(draft_probs: torch.Tensor | SparseDraftProbs) -> torch.Tensor:
+    """A block's q as a float32 ``[k, vocab]`` tensor, whichever form it is kept in."""
+    if isinstance(draft_probs, SparseDraftProbs):
+        return draft_probs.to_dense()
+    return draft_probs
 
 
 def decode_sparse_draft_probs(encoded: EncodedDraftProbs) -> SparseDraftProbs:

@@ -22,6 +22,7 @@ from specray.distill.student import build_student, quantize_draft
 from specray.drafters import FirstFoundDrafter, ModelDrafter, NgramDrafter
 from specray.models.runner import ModelRunner
 from specray.sampling import DraftProbsEncoding
+from specray.sampling.encoding import dense_draft_probs
 from tests.helpers.tiny_models import tiny_llama
 from tests.statistical.test_engine_distribution import (
     ALPHA,
@@ -80,8 +81,8 @@ class MisreportingDrafter:
     def propose(self, requests):
         blocks = self.inner.propose(requests)
         for block in blocks:
-            uniform = torch.full_like(block.draft_probs, 1.0 / self.vocab_size)
-            block.draft_probs = 0.5 * block.draft_probs + 0.5 * uniform
+            q = dense_draft_probs(block.draft_probs)  # [n, vocab]
+            block.draft_probs = 0.5 * q + 0.5 * torch.full_like(q, 1.0 / self.vocab_size)
             block.encoded = None
         return blocks
 

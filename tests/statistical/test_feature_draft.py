@@ -30,6 +30,7 @@ from specray.distill.student import FeatureDraftModel, build_student
 from specray.drafters import FeatureDrafter
 from specray.models.runner import ModelRunner
 from specray.sampling import DraftProbsEncoding
+from specray.sampling.encoding import dense_draft_probs
 from tests.helpers.tiny_models import tiny_llama
 from tests.statistical.test_engine_distribution import (
     ALPHA,
@@ -73,8 +74,8 @@ class MisreportingFeatureDrafter(FeatureDrafter):
     def propose(self, requests):
         blocks = super().propose(requests)
         for block in blocks:
-            uniform = torch.full_like(block.draft_probs, 1.0 / self.vocab_size)
-            block.draft_probs = 0.5 * block.draft_probs + 0.5 * uniform
+            q = dense_draft_probs(block.draft_probs)  # [n, vocab]
+            block.draft_probs = 0.5 * q + 0.5 * torch.full_like(q, 1.0 / self.vocab_size)
         return blocks
 
 

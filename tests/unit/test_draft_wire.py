@@ -13,7 +13,13 @@ from specray.sampling import (
     SamplingParams,
     decode_draft_probs,
 )
-from specray.sampling.encoding import POINT_MASS_ENCODING, encode_draft_probs, point_mass_rows
+from specray.sampling.encoding import (
+    POINT_MASS_ENCODING,
+    SparseDraftProbs,
+    dense_draft_probs,
+    encode_draft_probs,
+    point_mass_rows,
+)
 from tests.helpers.tiny_models import tiny_llama
 
 VOCAB = 40
@@ -48,16 +54,21 @@ def test_greedy_rows_go_as_point_masses_and_sampled_rows_stay_dense():
     for block in (greedy, sampled):
         # the receiver decodes row by row: the same q the drafter sampled from
         rows = torch.cat([decode_draft_probs(block.encoded.row(j)) for j in range(3)])
-        assert torch.equal(rows, block.draft_probs)
+        assert torch.equal(rows, dense_draft_probs(block.draft_probs))
     one_hot = torch.zeros(3, VOCAB)
     one_hot[torch.arange(3), torch.tensor(greedy.token_ids)] = 1.0
-    assert torch.equal(greedy.draft_probs, one_hot)
+    # the greedy block keeps its point masses sparse: one id a row, no vocabulary row
+    assert isinstance(greedy.draft_probs, SparseDraftProbs)
+    assert greedy.draft_probs.token_ids.shape == (3, 1)
+    assert torch.equal(greedy.draft_probs.to_dense(), one_hot)
+    assert isinstance(sampled.draft_probs, torch.Tensor)
 
 
 def test_the_wire_form_changes_no_draft():
     (greedy, sampled), (greedy_kept, sampled_kept) = _propose(True), _propose(False)
     assert greedy.token_ids == greedy_kept.token_ids
-    assert torch.equal(greedy.draft_probs, greedy_kept.draft_probs)  # a point mass is exact
+    # a point mass is exact
+    assert torch.equal(greedy.draft_probs.to_dense(), greedy_kept.draft_probs.to_dense())
     # a dense row is renormalised after decoding (float rounding), too little to move a draw
     assert sampled.token_ids == sampled_kept.token_ids
     torch.testing.assert_close(sampled.draft_probs, sampled_kept.draft_probs)
@@ -85,12 +96,14 @@ def test_an_all_greedy_step_sends_the_point_masses_encoding_would():
     alone, other = propose([greedy("a", [3, 7, 1, 9]), greedy("b", [5, 2, 8])])
     beside_sampled = propose([greedy("a", [3, 7, 1, 9]), _requests(VOCAB)[1]])[0]
     assert alone.token_ids == beside_sampled.token_ids
-    assert torch.equal(alone.draft_probs, beside_sampled.draft_probs)
+    assert isinstance(beside_sampled.draft_probs, SparseDraftProbs)
+    assert torch.equal(alone.draft_probs.to_dense(), beside_sampled.draft_probs.to_dense())
     assert alone.encoded == beside_sampled.encoded
     for block in (alone, other):
         one_hot = torch.zeros(3, VOCAB)
         one_hot[torch.arange(3), torch.tensor(block.token_ids)] = 1.0
-        assert torch.equal(block.draft_probs, one_hot)
+        assert isinstance(block.draft_probs, SparseDraftProbs)
+        assert torch.equal(block.draft_probs.to_dense(), one_hot)
         expected = encode_draft_probs(one_hot, POINT_MASS_ENCODING)
         assert block.encoded == expected
     assert point_mass_rows([4, 0], VOCAB)[1] == encode_draft_probs(

@@ -4,6 +4,7 @@ import torch
 
 from specray.drafters import DraftRequest, NgramDrafter, find_continuation
 from specray.sampling import KeyedRandom, LogitsPipeline, SamplingParams
+from specray.sampling.encoding import SparseDraftProbs
 
 
 def test_longest_latest_match_wins():
@@ -30,4 +31,5 @@ def test_draft_probs_are_point_masses():
     assert block.token_ids == [3, 1]
     expected = torch.zeros(2, vocab)
     expected[0, 3] = expected[1, 1] = 1.0
-    assert torch.equal(block.draft_probs, expected)
+    assert isinstance(block.draft_probs, SparseDraftProbs)  # one id a row, no vocabulary row
+    assert torch.equal(block.draft_probs.to_dense(), expected)
