@@ -44,6 +44,7 @@ from specray.sampling import (
     verify_batch,
 )
 from specray.sampling.batch_pipeline import BatchLogitsPipeline
+from specray.sampling.encoding import dense_draft_probs
 from specray.sampling.rng import seed_tensor
 from specray.sampling.rows import Workspace
 from specray.sampling.verify_sparse import verify_blocks
@@ -135,10 +136,7 @@ class _Round:
         bonus = torch.zeros(batch, dtype=torch.float64)
         for b, block in enumerate(self.checked):
             padded_target[b] = self.target_rows[b]
-            draft_probs = block.draft_probs
-            padded_draft[b] = (
-                draft_probs if isinstance(draft_probs, torch.Tensor) else draft_probs.to_dense()
-            )
+            padded_draft[b] = dense_draft_probs(block.draft_probs)
             uniforms = VerifyUniforms.draw(self.randoms[b], k, 0)
             accept[b], residual[b], bonus[b] = (
                 uniforms.accept[0],

@@ -161,10 +161,10 @@ class ModelDrafter:
             started = time.perf_counter()
             rows, greedy_ids = self._step_probs(stepping, logits, proposals)
             piped = time.perf_counter()
-            if greedy_ids is not None:
+            if rows is None:
                 # Every q is one-hot: its token is the argmax (what a draw from it gives), its
                 # wire form that id; no vocabulary row is encoded, decoded or searched.
-                tokens = greedy_ids.tolist()
+                tokens = torch.cat(greedy_ids).tolist()
                 sent = point_mass_rows(tokens, self.vocab_size) if self.keep_encoded else None
             else:  # sample from exactly what is sent: decode(encode(q))
                 sent = self._encode_step(stepping, rows) if self.keep_encoded else None
@@ -177,10 +177,8 @@ class ModelDrafter:
             for index, request in enumerate(stepping):
                 self._cached[request.request_id].extend(feeds[request.request_id])
                 proposals[request.request_id].append(tokens[index])
-                if greedy_ids is not None:
-                    points[request.request_id].append(greedy_ids[index : index + 1])
-                elif request.pipeline.params.greedy:  # beside sampled rows: its row is one-hot
-                    points[request.request_id].append(rows[index].argmax().reshape(1))
+                if greedy_ids[index] is not None:
+                    points[request.request_id].append(greedy_ids[index])
                 else:
                     probs[request.request_id].append(rows[index])
             profile.pipeline_s += piped - started
@@ -199,15 +197,15 @@ class ModelDrafter:
 
     def _step_probs(
         self, requests, logits, proposals
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """This step's q in one logits pass. When every request is greedy: no rows (each q is
-        the point mass at its argmax) and the argmax ids ``[n]``. Otherwise every request's q
-        ``[n, vocab]`` float32 (a fresh tensor: its rows are kept), a greedy request's row
-        one-hot at its argmax, and no ids. Row i's history is request i's committed output
-        plus its drafts so far."""
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """This step's q in one logits pass: every request's q ``[n, vocab]`` float32 (a fresh
+        tensor: its rows are kept; a greedy request's row one-hot at its argmax), or None when
+        every request is greedy (each q is the point mass at its argmax); and each greedy
+        request's argmax id ``[1]`` (None for a sampled one). Row i's history is request i's
+        committed output plus its drafts so far."""
         if raw_greedy([r.pipeline for r in requests]):
             # Nothing processes these logits: each q is the point mass at the raw argmax.
-            return None, torch.cat(raw_argmax_rows([logits[r.request_id] for r in requests]))
+            return None, raw_argmax_rows([logits[r.request_id] for r in requests])
         histories = [[*r.output_token_ids, *proposals[r.request_id]] for r in requests]
         rows = self._batch_pipeline(
             [r.pipeline for r in requests],
@@ -216,15 +214,16 @@ class ModelDrafter:
             [()] * len(requests),
         )
         greedy = [request.pipeline.params.greedy for request in requests]
+        ids = [row if is_greedy else None for is_greedy, row in zip(greedy, rows, strict=True)]
         if all(greedy):  # each row is its argmax id [1]
-            return None, torch.cat(rows)
+            return None, ids
         out = torch.zeros(len(requests), self.vocab_size, device=rows[0].device)  # [n, vocab]
         for index, (is_greedy, row) in enumerate(zip(greedy, rows, strict=True)):
             if is_greedy:  # argmax id [1]: q is one-hot there
                 out[index].scatter_(0, row, 1.0)
             else:
                 out[index] = row[0]
-        return out, None
+        return out, ids
 
     def _encode_step(self, requests, rows: torch.Tensor) -> list[EncodedDraftProbs]:
         """Each request's q of this step in wire form, one message a row: a greedy request's

@@ -47,7 +47,7 @@ from specray.sampling import (
     VerifyUniforms,
     sample_from_probs,
 )
-from specray.sampling.encoding import SparseDraftProbs
+from specray.sampling.encoding import dense_draft_probs
 from specray.sampling.grammar import Grammars
 from tests.helpers.tiny_models import exact_sequence_probs, perturbed_copy, tiny_llama
 
@@ -361,7 +361,7 @@ def _as_core_rule(rule: Callable[..., BatchVerifyResult]) -> Callable[..., Batch
         for b, (block, rows) in enumerate(zip(draft_probs, target_probs, strict=True)):
             n = rows.shape[0] - 1
             padded_target[b, : n + 1] = rows
-            padded_draft[b, :n] = block.to_dense() if isinstance(block, SparseDraftProbs) else block
+            padded_draft[b, :n] = dense_draft_probs(block)
         return rule(draft_token_ids, num_draft_tokens, padded_draft, padded_target, uniforms)
 
     return run
